@@ -1,0 +1,58 @@
+"""Engine arguments (the keyword arguments of ``LLM`` and ``AsyncLLM``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import ConfigError
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    """Every engine knob in one place; see shared/API.md for their meaning."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, model: str, kwargs: dict[str, Any]) -> "EngineConfig":
+        """Build a config, naming any unknown argument in the error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
+        config = cls(model=str(model), **kwargs)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank", "max_cpu_loras"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 is not supported yet")

@@ -1,0 +1,216 @@
+"""EngineCore: the step loop (schedule, run the model, sample, update) behind both fronts.
+
+Nothing here knows about asyncio or threads beyond one thread-safe inbox: ``add_request``,
+``abort_request`` and ``stop_sequence`` may be called from any thread; their effect happens at
+the top of the next ``step()``, which only the engine's own thread calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import EngineConfig
+from ..model.loader import check_model_dir, load_hf_config
+from ..model.runner import ModelRunner
+from ..model.sampler import SamplingRow, prompt_logprobs, sample
+from .kv_cache import KVCacheManager
+from .request import EngineRequest, Sequence, SequenceStatus
+from .scheduler import ScheduledBatch, Scheduler
+from .stopping import StopChecker, resolve_max_model_len
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}
+
+
+@dataclass
+class SequenceOutput:
+    """What one sequence produced in one step (a delta)."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCore:
+    """Owns the model runner, the KV-cache manager and the scheduler; one ``step()`` at a time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        root: Path = check_model_dir(config.model)
+        self.model_dir = root
+        self.hf_config = load_hf_config(root)
+        self.max_model_len = resolve_max_model_len(config, self.hf_config)
+        self.runner = ModelRunner(config, self.hf_config, root, self.max_model_len)
+        self.vocab_size = self.runner.shape.vocab_size
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        budget = config.max_num_batched_tokens or _DEFAULT_TOKEN_BUDGET.get(self.runner.device.type, 2048)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget)
+        self.stop_checker = StopChecker(root, self.hf_config, self.max_model_len)
+        self.generator = torch.Generator(self.runner.device).manual_seed(config.seed)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sequences: dict[str, list[Sequence]] = {}
+
+    # ---- thread-safe entry points -------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        self._inbox.put(("add", request))
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """Finish one sequence early (a stop string was found by the detokenizer)."""
+        self._inbox.put(("stop", (request_id, index)))
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._sequences) or not self._inbox.empty()
+
+    def step(self) -> list[SequenceOutput]:
+        """Apply queued requests/aborts, run one batch, and return every sequence's delta."""
+        outputs = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            outputs.extend(self._run(batch))
+        return outputs
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_used": self.kv.num_used_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+        }
+
+    def _drain_inbox(self) -> list[SequenceOutput]:
+        outputs: list[SequenceOutput] = []
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                self._admit(payload)
+            elif kind == "abort":
+                for seq in self._sequences.get(payload, []):
+                    if not seq.is_finished:
+                        outputs.append(self._finish(seq, "abort", None, [], []))
+            elif kind == "stop":
+                request_id, index = payload
+                seqs = self._sequences.get(request_id, [])
+                if index < len(seqs) and not seqs[index].is_finished:
+                    self._finish(seqs[index], "stop", None, [], [])
+
+    def _admit(self, request: EngineRequest) -> None:
+        if request.request_id in self._sequences:
+            logger.warning("duplicate request id %s ignored", request.request_id)
+            return
+        seqs = [Sequence(request, i, self._generator_for(request, i)) for i in range(request.params.n)]
+        leader = seqs[0]
+        for child in seqs[1:]:
+            child.status = SequenceStatus.AWAITING_FORK
+        leader.pending_children = seqs[1:]
+        self._sequences[request.request_id] = seqs
+        self.scheduler.add(leader)
+
+    def _generator_for(self, request: EngineRequest, index: int) -> torch.Generator | None:
+        seed = request.params.seed
+        if seed is None:
+            return None
+        seed = seed if index == 0 else (seed * 1_000_003 + index) & (2**63 - 1)
+        return torch.Generator(self.runner.device).manual_seed(seed)
+
+    def _run(self, batch: ScheduledBatch) -> list[SequenceOutput]:
+        rows, plans = self._plan_logits(batch)
+        logits = self.runner.execute(batch, rows)
+        prompt_lps: dict[int, list[dict[int, float]]] = {}
+        to_sample: list[tuple[Sequence, int]] = []
+        for seq, n, (prompt_plan, sample_row) in zip(batch.seqs, batch.num_new_tokens, plans):
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+            if prompt_plan is not None:
+                row, lo, hi = prompt_plan
+                k = seq.params.prompt_logprobs
+                prompt_lps[id(seq)] = prompt_logprobs(logits[row:row + hi - lo], seq.token_ids[lo + 1:hi + 1], k)
+                seq.prompt_logprob_pos = hi
+            if sample_row is not None:
+                to_sample.append((seq, sample_row))
+                for child in self.scheduler.start_children(seq):
+                    to_sample.append((child, sample_row))
+        outputs = self._sample_and_update(logits, to_sample, prompt_lps)
+        for seq in batch.seqs:  # prompt chunks that sampled nothing still report their logprobs
+            if id(seq) in prompt_lps:
+                outputs.append(SequenceOutput(seq.request_id, seq.index, [], [], None, prompt_lps.pop(id(seq))))
+        return outputs
+
+    def _plan_logits(self, batch: ScheduledBatch):
+        """Which flat token positions need logits: each sequence's last one when it samples,
+        and every prompt position whose logprob was asked for (prompt_logprobs)."""
+        rows: list[int] = []
+        plans = []
+        flat = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            prompt_plan = None
+            if seq.wants_prompt_logprobs:
+                lo, hi = max(start, seq.prompt_logprob_pos), min(end, seq.num_prompt_tokens - 1)
+                if hi > lo:
+                    prompt_plan = (len(rows), lo, hi)
+                    rows.extend(range(flat + lo - start, flat + hi - start))
+            sample_row = None
+            if end == seq.num_tokens:
+                sample_row = len(rows)
+                rows.append(flat + n - 1)
+            plans.append((prompt_plan, sample_row))
+            flat += n
+        return rows, plans
+
+    def _sample_and_update(self, logits: torch.Tensor, to_sample: list[tuple[Sequence, int]],
+                           prompt_lps: dict[int, list]) -> list[SequenceOutput]:
+        if not to_sample:
+            return []
+        rows = [self._sampling_row(seq) for seq, _ in to_sample]
+        index = torch.tensor([row for _, row in to_sample], device=logits.device)
+        result = sample(logits[index], rows, self.generator)
+        outputs = []
+        for i, (seq, _) in enumerate(to_sample):
+            token = result.token_ids[i]
+            seq.token_ids.append(token)
+            top = [result.top_logprobs[i]] if result.top_logprobs[i] is not None else None
+            reason, stop_reason = self.stop_checker.check(seq, token)
+            lps = prompt_lps.pop(id(seq), None)
+            if reason is not None:
+                outputs.append(self._finish(seq, reason, stop_reason, [token], [result.logprobs[i]], top, lps))
+            else:
+                outputs.append(SequenceOutput(seq.request_id, seq.index, [token], [result.logprobs[i]], top, lps,
+                                              num_cached_tokens=seq.num_cached_tokens))
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        blocked = self.stop_checker.min_tokens_blocked(seq.params) if seq.params.min_tokens else []
+        return SamplingRow(seq.params, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
+                           seq.generator, blocked)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, tokens: list[int], logprobs: list[float],
+                top=None, prompt_lps=None) -> SequenceOutput:
+        self.scheduler.finish(seq)
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seqs = self._sequences.get(seq.request_id, [])
+        if all(s.is_finished for s in seqs):
+            self._sequences.pop(seq.request_id, None)
+        return SequenceOutput(seq.request_id, seq.index, tokens, logprobs, top, prompt_lps, reason, stop_reason,
+                              seq.num_cached_tokens)

@@ -1,0 +1,93 @@
+"""A request as the engine sees it, and its ``n`` sequences."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+from ..sampling_params import SamplingParams
+from .block_pool import BlockKey
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"        # queued (new, or preempted and to be recomputed)
+    RUNNING = "running"        # holds blocks and is scheduled every step
+    AWAITING_FORK = "fork"     # a child of n > 1 waiting for its leader's prefill
+    FINISHED = "finished"
+
+
+@dataclass
+class EngineRequest:
+    """A validated request handed to the engine (prompt already tokenized)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                     # resolved: never runs past max_model_len
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: Hashable = None         # extra prefix-cache key (the LoRA adapter identity)
+
+
+class Sequence:
+    """One generated continuation: its tokens, how many have KV computed, its block table."""
+
+    def __init__(self, request: EngineRequest, index: int, generator: torch.Generator | None) -> None:
+        self.request = request
+        self.index = index
+        self.seq_id = f"{request.request_id}#{index}"
+        self.params = request.params
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_keys: list[BlockKey] = []   # keys of this sequence's full blocks, computed lazily
+        self.num_registered_blocks = 0         # full blocks already offered to the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.generator = generator
+        self.pending_children: list[Sequence] = []  # n > 1: siblings forked after this one's prefill
+        self.num_cached_tokens = 0             # prompt tokens served from the prefix cache
+        self.prompt_logprob_pos = 0            # prompt positions whose next-token logprob was reported
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The leader of a request with ``prompt_logprobs`` still owes some of them."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and self.prompt_logprob_pos < self.num_prompt_tokens - 1)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_key(self, block_index: int, block_size: int) -> BlockKey:
+        """The prefix-cache key of full block ``block_index`` (chained through its parents)."""
+        while len(self.block_keys) <= block_index:
+            i = len(self.block_keys)
+            parent = self.block_keys[i - 1] if i else None
+            tokens = tuple(self.token_ids[i * block_size:(i + 1) * block_size])
+            self.block_keys.append(BlockKey(parent, tokens, self.request.cache_salt))
+        return self.block_keys[block_index]
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

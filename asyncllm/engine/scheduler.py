@@ -1,0 +1,129 @@
+"""Token-budget scheduler: which sequences run this step, and how many tokens each computes.
+
+One budget per step (``max_num_batched_tokens``). Running sequences go first (one token for a
+decode, or the next chunk of a prefill), then waiting ones in arrival order, so prefill chunks and
+decodes share a batch. When the pool runs dry, the newest running sequence is preempted: its
+blocks are freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import KVCacheManager
+from .request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: ``num_new_tokens[i]`` tokens of ``seqs[i]``, plus block copies to do first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = self._schedule_running(batch, budget)
+        budget -= batch.total_tokens
+        if not preempted:  # a pool that just ran dry admits nobody new this step
+            self._schedule_waiting(batch, budget)
+        batch.block_copies = self.kv.pending_copies
+        self.kv.pending_copies = []
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, num_new):
+                preempted = True
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                index += 1
+        return preempted
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            seats = 1 + len(seq.pending_children)
+            if len(self.running) + seats > self.max_num_seqs and self.running:
+                break
+            fresh = seq.num_computed_tokens == 0 and not seq.block_table
+            cached = self.kv.find_cached_prefix(seq) if fresh else []
+            num_computed = len(cached) * self.kv.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self.kv.allocate(seq, num_new, cached):
+                break
+            if fresh and seq.num_output_tokens == 0:
+                self.kv.count_prefix_query(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first for recomputation."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def start_children(self, leader: Sequence) -> list[Sequence]:
+        """After ``leader``'s prefill, fork its waiting siblings onto its blocks (n > 1)."""
+        children, leader.pending_children = leader.pending_children, []
+        for child in children:
+            self.kv.fork(leader, child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        return children
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        for child in seq.pending_children:  # aborted before its prefill finished
+            child.status = SequenceStatus.FINISHED
+        seq.pending_children = []

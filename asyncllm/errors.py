@@ -1,0 +1,31 @@
+"""Errors raised by asyncllm. Every public failure is an ``AsyncLLMError``."""
+
+from __future__ import annotations
+
+
+class AsyncLLMError(Exception):
+    """Base class of every error asyncllm raises on purpose."""
+
+
+class InvalidRequestError(AsyncLLMError, ValueError):
+    """Bad input from the caller (HTTP 400). ``field`` names the offending parameter."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class EngineDeadError(AsyncLLMError):
+    """The engine loop died; every open stream receives this error."""
+
+
+class LoRAError(AsyncLLMError):
+    """A LoRA adapter cannot be loaded or used (HTTP 400/404)."""
+
+
+class ModelLoadError(AsyncLLMError):
+    """A checkpoint cannot be loaded (missing files, unsupported architecture...)."""
+
+
+class ConfigError(AsyncLLMError, ValueError):
+    """An engine argument is invalid or the machine cannot satisfy it."""

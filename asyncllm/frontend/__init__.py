@@ -1,0 +1,1 @@
+"""Between the application and the engine: prompt processing, detokenization, output assembly."""

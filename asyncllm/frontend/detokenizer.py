@@ -1,0 +1,62 @@
+"""Incremental detokenization and stop-string matching, one instance per sequence.
+
+Text is produced token by token without re-decoding the whole output, and never splits a
+multi-byte character (``tokenizers.decoders.DecodeStream`` buffers incomplete UTF-8).
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Appends the text of each new token; ``prompt_ids`` give the decoder its left context."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+        self._tokenizer = tokenizer
+        self._stream = None
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend = backend
+            self._stream = DecodeStream(ids=list(prompt_ids[-8:]), skip_special_tokens=skip_special_tokens)
+        else:  # slow tokenizer: decode a short window and diff (vLLM's prefix/read offsets)
+            self._ids = list(prompt_ids[-8:])
+            self._prefix, self._read = 0, len(self._ids)
+            self._skip = skip_special_tokens
+
+    def step(self, token_id: int) -> str:
+        """The text that ``token_id`` completes ("" while a character is still incomplete)."""
+        if self._stream is not None:
+            return self._stream.step(self._backend, token_id) or ""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        after = decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before):]
+
+
+class StopStringMatcher:
+    """Finds the first stop string in growing text, scanning only where a new match can start."""
+
+    def __init__(self, stops: list[str], include_in_output: bool) -> None:
+        self.stops = stops
+        self.include = include_in_output
+        self.hold_back = max((len(s) for s in stops), default=1) - 1
+
+    def find(self, text: str, new_chars: int) -> tuple[str, int] | None:
+        """``(stop, end_of_kept_text)`` if a stop string now occurs in ``text``, else None."""
+        if not self.stops:
+            return None
+        start = max(0, len(text) - new_chars - self.hold_back)
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            at = text.find(stop, start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        return stop, at + len(stop) if self.include else at

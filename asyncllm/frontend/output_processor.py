@@ -1,0 +1,141 @@
+"""Assembles engine deltas into RequestOutputs: detokenizes, applies stop strings, tracks timing.
+
+Runs outside the engine step (in the caller's thread for ``LLM``, on the event-loop side for
+``AsyncLLM``). A stop string found here finishes the sequence and tells the engine to drop it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine.core import SequenceOutput
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@dataclass
+class _SequenceState:
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    sent_chars: int = 0     # text already handed out as deltas
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class RequestState:
+    """Everything the front knows about one request while it runs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_SequenceState]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+    finished: bool = False
+
+    def output(self) -> RequestOutput:
+        """The cumulative output so far."""
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [s.completion for s in self.seqs], self.finished, self.prompt_logprobs, self.metrics)
+
+    def take_delta(self) -> RequestOutput:
+        """Only what is new since the last call: text safe to show (stop strings held back)."""
+        outputs = []
+        for s in self.seqs:
+            c = s.completion
+            end = len(c.text) if c.finished else max(s.sent_chars, len(c.text) - s.stops.hold_back)
+            delta = CompletionOutput(
+                c.index, c.text[s.sent_chars:end], c.token_ids[s.sent_tokens:],
+                c.logprobs[s.sent_logprobs:] if c.logprobs is not None else None,
+                c.cumulative_logprob, c.finish_reason, c.stop_reason)
+            s.sent_chars, s.sent_tokens = end, len(c.token_ids)
+            s.sent_logprobs = len(c.logprobs) if c.logprobs is not None else 0
+            outputs.append(delta)
+        prompt_lps = None
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent and self._prompt_logprobs_done():
+            prompt_lps, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                             prompt_lps, self.metrics)
+
+    def _prompt_logprobs_done(self) -> bool:
+        return len(self.prompt_logprobs) >= len(self.prompt_token_ids)
+
+
+class OutputProcessor:
+    """Keeps a RequestState per live request and folds engine outputs into them."""
+
+    def __init__(self, tokenizer, stop_sequence: Callable[[str, int], None]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_sequence = stop_sequence  # tells the engine a sequence hit a stop string
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+            arrival_time: float) -> RequestState:
+        seqs = [_SequenceState(
+            CompletionOutput(i, logprobs=[] if params.logprobs is not None else None, cumulative_logprob=0.0),
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+            StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)) for i in range(params.n)]
+        state = RequestState(request_id, prompt, prompt_ids, params, seqs, RequestMetrics(arrival_time),
+                             [None] if params.prompt_logprobs is not None else None)
+        self.requests[request_id] = state
+        return state
+
+    def process(self, outputs: list[SequenceOutput]) -> list[RequestState]:
+        """Apply one step's outputs; return the requests that changed (finished ones are dropped)."""
+        touched: dict[str, RequestState] = {}
+        now = time.monotonic()
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:
+                continue
+            self._apply(state, state.seqs[out.index], out, now)
+            touched[out.request_id] = state
+        for request_id, state in touched.items():
+            if all(s.completion.finished for s in state.seqs):
+                state.finished = True
+                state.metrics.finish_time = now
+                del self.requests[request_id]
+        return list(touched.values())
+
+    def _apply(self, state: RequestState, seq: _SequenceState, out: SequenceOutput, now: float) -> None:
+        if out.prompt_logprobs:
+            state.prompt_logprobs.extend(out.prompt_logprobs)
+        completion = seq.completion
+        if completion.finished:  # already stopped by a stop string; the engine may lag a step
+            return
+        if out.new_token_ids and state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.num_cached_tokens = max(state.metrics.num_cached_tokens, out.num_cached_tokens)
+        completion.token_ids.extend(out.new_token_ids)
+        completion.cumulative_logprob += sum(out.new_logprobs)
+        if completion.logprobs is not None and out.new_top_logprobs:
+            completion.logprobs.extend(out.new_top_logprobs)
+        new_text = "".join(seq.detokenizer.step(t) for t in out.new_token_ids)
+        completion.text += new_text
+        hit = seq.stops.find(completion.text, len(new_text)) if new_text else None
+        if hit is not None:
+            stop, keep = hit
+            completion.text = completion.text[:keep]
+            completion.finish_reason, completion.stop_reason = "stop", stop
+            if out.finish_reason is None:
+                self.stop_sequence(state.request_id, completion.index)
+        elif out.finish_reason is not None:
+            completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+
+    def abort_all(self, reason: str = "abort") -> list[RequestState]:
+        """Mark every live request finished (engine shutdown or death)."""
+        states = list(self.requests.values())
+        for state in states:
+            for seq in state.seqs:
+                if not seq.completion.finished:
+                    seq.completion.finish_reason = reason
+            state.finished = True
+        self.requests.clear()
+        return states

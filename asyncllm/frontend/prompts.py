@@ -1,0 +1,49 @@
+"""Turning a prompt (text, token ids or chat messages) into validated token ids."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from ..errors import InvalidRequestError
+
+Prompt = Union[str, list[int], list[dict[str, Any]]]
+
+
+def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | None = None) -> tuple[str | None, list[int]]:
+    """Return ``(prompt_text_or_None, token_ids)``; raise InvalidRequestError on bad input."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt: must not be empty", field="prompt")
+        return prompt, list(tokenizer.encode(prompt))
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        text = render_chat(list(prompt), tokenizer, tools)
+        return text, list(tokenizer.encode(text, add_special_tokens=False))
+    if isinstance(prompt, (list, tuple)) and prompt:
+        ids = list(prompt)
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise InvalidRequestError(
+                    f"prompt: token id {token!r} is not an integer in [0, {vocab_size})", field="prompt")
+        return None, ids
+    raise InvalidRequestError(
+        "prompt: expected a non-empty string, list of token ids or list of chat messages", field="prompt")
+
+
+def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = None) -> str:
+    """Apply the tokenizer's chat template, ready for the assistant's reply."""
+    for i, message in enumerate(messages):
+        if "role" not in message:
+            raise InvalidRequestError(f"messages[{i}]: missing 'role'", field="messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("messages: this model's tokenizer has no chat template", field="messages")
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja raises many kinds of errors for malformed messages
+        raise InvalidRequestError(f"messages: cannot render the chat template: {exc}", field="messages") from exc
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt: {num_tokens} tokens, but max_model_len is {max_model_len} "
+            "(the prompt plus at least one generated token must fit)", field="prompt")

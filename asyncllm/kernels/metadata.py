@@ -1,0 +1,34 @@
+"""What an attention backend needs to know about one step's batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of one step's flattened batch of query tokens.
+
+    Sequence ``i`` owns query tokens ``query_start[i]:query_start[i+1]`` of the flattened batch;
+    after this step it holds ``seq_lens[i]`` tokens of KV (cached ones plus the new ones), stored
+    in the blocks listed in row ``i`` of ``block_tables`` (padded with zeros).
+    """
+
+    slot_mapping: torch.Tensor      # [num_tokens] int64: cache slot (block * block_size + offset) per new token
+    query_start: list[int]          # [num_seqs + 1]
+    seq_lens: list[int]             # [num_seqs]
+    block_tables: torch.Tensor      # [num_seqs, max_blocks] int64
+    seq_lens_tensor: torch.Tensor   # [num_seqs] int64
+    query_start_tensor: torch.Tensor  # [num_seqs + 1] int64
+    block_size: int
+    decode_indices: list[int]       # sequences with exactly one query token
+    prefill_indices: list[int]      # sequences with several query tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start[i + 1] - self.query_start[i]

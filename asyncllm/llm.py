@@ -1,0 +1,97 @@
+"""``LLM``: the synchronous, offline-batch front of the engine."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .engine.core import EngineCore
+from .errors import InvalidRequestError
+from .frontend.input_processor import InputProcessor
+from .frontend.output_processor import OutputProcessor
+from .frontend.prompts import Prompt
+from .model.loader import load_tokenizer
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+_batch_ids = itertools.count()
+
+
+class LLM:
+    """Generate for a batch of prompts in the caller's thread.
+
+    ``LLM("path/to/checkpoint", dtype="float32").generate(["Hello"], SamplingParams(max_tokens=8))``
+    """
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, engine_kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self.inputs = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, lora: Any = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order.
+
+        ``prompts`` is one prompt or a list of them (text, token ids or chat messages);
+        ``params`` is one SamplingParams for all or a list with one per prompt.
+        """
+        if lora is not None:
+            raise InvalidRequestError("lora: LoRA adapters are not supported by this build yet", field="lora")
+        prompts = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompts))
+        batch = next(_batch_ids)
+        requests = [self.inputs.process(p, sp, request_id=f"gen-{batch}-{i}") for i, (p, sp) in
+                    enumerate(zip(prompts, params_list))]  # validate all before submitting any
+        processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence)
+        for text, request in requests:
+            processor.add(request.request_id, text, request.prompt_token_ids, request.params, request.arrival_time)
+            self.engine.add_request(request)
+        finals: dict[str, RequestOutput] = {}
+        show = use_tqdm if use_tqdm is not None else False
+        with tqdm(total=len(requests), desc="generating", disable=not show) as progress:
+            try:
+                while len(finals) < len(requests):
+                    for state in processor.process(self.engine.step()):
+                        if state.finished:
+                            finals[state.request_id] = state.output()
+                            progress.update(1)
+            except BaseException:
+                for _, request in requests:  # leave the engine clean (KeyboardInterrupt included)
+                    if request.request_id not in finals:
+                        self.engine.abort_request(request.request_id)
+                self.engine.step()
+                raise
+        return [finals[request.request_id] for _, request in requests]
+
+    def stats(self) -> dict[str, int]:
+        """Engine counters: running/waiting sequences, KV blocks, preemptions, prefix-cache hits."""
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [list(prompts)]  # one chat conversation
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidRequestError("prompts: expected a prompt or a non-empty list of prompts", field="prompts")
+    return list(prompts)
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise InvalidRequestError(f"params: {len(params)} SamplingParams for {count} prompts", field="params")
+    return params

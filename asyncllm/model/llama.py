@@ -1,0 +1,148 @@
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3, chosen by config.
+
+Module and parameter names follow Hugging Face's, except that q/k/v and gate/up projections are
+fused into one matmul each (``qkv_proj``, ``gate_up_proj``); the loader fills their slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kernels.metadata import AttentionMetadata
+from .rotary import RotaryEmbedding
+
+
+@dataclass
+class DecoderShape:
+    """The architecture facts the decoder needs, read from a transformers config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> "DecoderShape":
+        model_type = getattr(config, "model_type", "")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as transformers does, then cast back."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_size = shape.num_heads * shape.head_dim
+        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=False)
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+            self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+        self.qk_norm = shape.qk_norm
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = shape.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.view(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend) -> None:
+        super().__init__()
+        self.self_attn = Attention(shape, layer_index, rotary, backend)
+        self.mlp = MLP(shape)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def forward(self, positions, hidden, meta, kv_cache) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaFamilyModel(nn.Module):
+    """The decoder stack plus LM head. ``forward`` takes a flattened batch of tokens."""
+
+    def __init__(self, shape: DecoderShape, rotary: RotaryEmbedding, backend) -> None:
+        super().__init__()
+        self.shape = shape
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(shape, i, rotary, backend) for i in range(shape.num_layers))
+        self.model.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        if not shape.tie_word_embeddings:
+            self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """[tokens] ids and positions -> [tokens, hidden] final hidden states."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(positions, hidden, meta, kv_cache)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.shape.tie_word_embeddings else self.lm_head.weight
+        return nn.functional.linear(hidden, weight)

@@ -1,0 +1,157 @@
+"""Turns a scheduled batch into tensors, runs the model and returns the logits that are needed."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..config import EngineConfig
+from ..engine.scheduler import ScheduledBatch
+from ..errors import ConfigError
+from ..kernels.metadata import AttentionMetadata
+from ..kernels.torch_attention import TorchAttentionBackend
+from .llama import DecoderShape, LlamaFamilyModel
+from .loader import load_weights
+from .rotary import RotaryEmbedding, rope_frequencies
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_KV_SHARE, _CPU_KV_CAP = 0.25, 4 * 2**30   # default KV budget on CPU: a quarter of free RAM, at most 4 GiB
+_CUDA_KV_SHARE = 0.85                           # of free device memory after the weights are loaded
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (fastest there without bf16 matmul units); the checkpoint's
+    dtype on CUDA, with float32 checkpoints run in bfloat16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    stored = _DTYPES.get(str(stored).replace("torch.", ""), torch.bfloat16)
+    return torch.bfloat16 if stored == torch.float32 else stored
+
+
+def select_backend(name: str, device: torch.device):
+    if name == "triton":
+        raise ConfigError("attention_backend='triton' is not available in this build yet; use 'torch' or 'auto'")
+    return TorchAttentionBackend()
+
+
+class ModelRunner:
+    """Owns the model weights and the paged KV cache tensors."""
+
+    def __init__(self, config: EngineConfig, hf_config, root: Path, max_model_len: int) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.block_size = config.block_size
+        self.shape = DecoderShape.from_hf_config(hf_config)
+        self.backend = select_backend(config.attention_backend, self.device)
+        inv_freq, scaling = rope_frequencies(hf_config, self.shape.head_dim)
+        rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
+        with torch.device("meta"):
+            model = LlamaFamilyModel(self.shape, rotary, self.backend).to(self.dtype)
+        self.model = model.to_empty(device=self.device).eval()
+        load_weights(self.model, root)
+        rotary.build(self.device, self.dtype)
+        self.num_blocks = self._count_blocks(config, max_model_len)
+        self.kv_caches = self._allocate_kv_caches()
+
+    @property
+    def bytes_per_block(self) -> int:
+        s = self.shape
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _count_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+        budget = config.kv_cache_memory or self._default_kv_bytes()
+        useful = config.max_num_seqs * -(-max_model_len // self.block_size) + 1  # more would never be used
+        num_blocks = min(budget // self.bytes_per_block, useful)
+        needed = -(-max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"kv_cache_memory of {budget} bytes holds {num_blocks} blocks of {self.block_size} tokens, "
+                f"fewer than the {needed} one sequence of max_model_len={max_model_len} needs; "
+                "raise kv_cache_memory or lower max_model_len")
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    num_blocks * self.bytes_per_block / 2**20)
+        return num_blocks
+
+    def _default_kv_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * _CUDA_KV_SHARE)
+        return int(min(_available_ram() * _CPU_KV_SHARE, _CPU_KV_CAP))
+
+    def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        s = self.shape
+        shape = (self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        # zeros, not empty: masked-out slots must not hold NaN bit patterns (0 * NaN = NaN)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, logit_rows: list[int]) -> torch.Tensor:
+        """Run one step; return logits ([len(logit_rows), vocab], float32) of the chosen flat positions."""
+        self._copy_blocks(batch.block_copies)
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        rows = torch.tensor(logit_rows, device=self.device, dtype=torch.long)
+        return self.model.compute_logits(hidden[rows]).float()
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        starts, query_start, seq_lens = [], [0], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            starts.append(start)
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+        dev = self.device
+        block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+        query_lens = torch.tensor(batch.num_new_tokens, device=dev)
+        seq_index = torch.repeat_interleave(torch.arange(len(batch.seqs), device=dev), query_lens)
+        offsets = torch.tensor(starts, device=dev) - torch.tensor(query_start[:-1], device=dev)
+        positions = torch.arange(len(ids), device=dev) + offsets[seq_index]
+        slots = block_tables[seq_index, positions // self.block_size] * self.block_size + positions % self.block_size
+        meta = AttentionMetadata(
+            slot_mapping=slots, query_start=query_start, seq_lens=seq_lens, block_tables=block_tables,
+            seq_lens_tensor=torch.tensor(seq_lens, device=dev), query_start_tensor=torch.tensor(query_start, device=dev),
+            block_size=self.block_size,
+            decode_indices=[i for i, n in enumerate(batch.num_new_tokens) if n == 1],
+            prefill_indices=[i for i, n in enumerate(batch.num_new_tokens) if n > 1])
+        return torch.tensor(ids, device=dev), positions, meta
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30

@@ -1,0 +1,166 @@
+"""Batched sampling over one step's logits rows.
+
+Every row carries its own SamplingParams. The whole batch is processed with tensor ops; the only
+per-row Python work is gathering parameters and drawing noise for rows with their own seed
+(so a seeded request gets the same tokens whatever else shares its batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    min_tokens_blocked: list[int]  # token ids forbidden while min_tokens is not reached
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]                      # log-probability of each chosen token
+    top_logprobs: list[dict[int, float] | None]  # per row: chosen token + top-k, when asked
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None) -> SamplerOutput:
+    """Pick one token per row of ``logits`` ([rows, vocab]) following each row's params.
+
+    Log-probabilities are those of the model's raw distribution (before penalties and temperature),
+    as vLLM and OpenAI report them.
+    """
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = logits.clone()
+    _apply_logit_bias(logits, rows)
+    _apply_min_tokens(logits, rows)
+    _apply_penalties(logits, rows)
+    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+    chosen = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        sampled = _sample_random(logits, rows, greedy, generator)
+        chosen = torch.where(greedy, chosen, sampled)
+    chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
+    token_ids = chosen.tolist()
+    return SamplerOutput(token_ids, chosen_logprobs.tolist(), _top_logprobs(raw_logprobs, rows, token_ids))
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids = torch.tensor(list(row.params.logit_bias), device=logits.device)
+            bias = torch.tensor(list(row.params.logit_bias.values()), device=logits.device)
+            logits[i].index_add_(0, ids, bias)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        if row.min_tokens_blocked and len(row.output_token_ids) < row.params.min_tokens:
+            logits[i, row.min_tokens_blocked] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (prompt + output), frequency and presence (output) penalties, vLLM-style."""
+    needs = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+    if not needs:
+        return
+    vocab = logits.shape[1]
+    device = logits.device
+    for i in needs:  # rows with penalties are the exception; one small scatter each
+        p = rows[i].params
+        counts = torch.zeros(vocab, device=device)
+        if rows[i].output_token_ids:
+            out = torch.tensor(rows[i].output_token_ids, device=device)
+            counts.index_add_(0, out, torch.ones(len(out), device=device))
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            if rows[i].prompt_token_ids:
+                seen[torch.tensor(rows[i].prompt_token_ids, device=device)] = True
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalised, row))
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], greedy: torch.Tensor,
+                   generator: torch.Generator | None) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
+    logits = logits / temperature[:, None]
+    logits = _apply_top_k_top_p(logits, rows)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p without a CDF search.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for i, row in enumerate(rows):
+        if row.generator is not None and not row.params.greedy:
+            noise[i].exponential_(generator=row.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    top_k = [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if all(k >= logits.shape[1] for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=device)[None, :]
+    drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    drop = mass_before >= torch.tensor(top_p, device=device)[:, None]
+    drop[:, 0] = False  # always keep the best token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow], chosen: list[int]) -> list[dict[int, float] | None]:
+    wanted = [r.params.logprobs for r in rows]
+    if all(k is None for k in wanted):
+        return [None] * len(rows)
+    k_max = max(k or 0 for k in wanted)
+    values, ids = raw_logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+    result: list[dict[int, float] | None] = []
+    for i, k in enumerate(wanted):
+        if k is None:
+            result.append(None)
+            continue
+        entry = {chosen[i]: float(raw_logprobs[i, chosen[i]])}
+        if k:
+            for token, value in zip(ids[i, :k].tolist(), values[i, :k].tolist()):
+                entry.setdefault(token, value)
+        result.append(entry)
+    return result
+
+
+def prompt_logprobs(raw_logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[dict[int, float]]:
+    """For each position, the logprob of the prompt's actual next token plus the top-``k``."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    actual = logprobs.gather(1, torch.tensor(next_token_ids, device=logprobs.device)[:, None]).squeeze(1).tolist()
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    result = []
+    for i, token in enumerate(next_token_ids):
+        entry = {token: actual[i]}
+        if k:
+            for t, v in zip(top_ids[i].tolist(), top_values[i].tolist()):
+                entry.setdefault(t, v)
+        result.append(entry)
+    return result

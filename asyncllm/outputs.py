@@ -1,0 +1,45 @@
+"""Result objects handed to applications."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (``n`` of them per request)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # None, "stop", "length", "abort" or "tool_calls"
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.monotonic()``) of a request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far (or in total, once ``finished``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,167 @@
+"""``SamplingParams``: how one request is decoded, validated at submission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import InvalidRequestError
+
+_STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar")
+
+
+def _fail(name: str, message: str) -> None:
+    raise InvalidRequestError(f"{name}: {message}", field=name)
+
+
+def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
+    ok_types = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok_types):
+        _fail(name, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Decoding parameters of one request; the fields follow vLLM's ``SamplingParams``.
+
+    ``temperature=0`` means greedy. Every value is checked by :meth:`validate`, which raises
+    :class:`~asyncllm.errors.InvalidRequestError` naming the bad field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @classmethod
+    def from_kwargs(cls, params: "SamplingParams | None", kwargs: dict[str, Any]) -> "SamplingParams":
+        """Merge keyword overrides into ``params`` (or defaults); unknown names are an error."""
+        known = {f.name for f in fields(cls)}
+        for name in kwargs:
+            if name not in known:
+                raise InvalidRequestError(f"unknown sampling parameter {name!r}", field=name)
+        base = {f.name: getattr(params, f.name) for f in fields(cls)} if params else {}
+        base.update(kwargs)
+        return cls(**base)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Check every field; return self so calls can be chained."""
+        self._validate_counts()
+        self._validate_probabilities()
+        self._validate_penalties()
+        self._validate_stops(vocab_size)
+        self._validate_logit_bias(vocab_size)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"expected a boolean, got {getattr(self, name)!r}")
+        for name in _STRUCTURED_FIELDS:
+            if getattr(self, name) is not None:
+                _fail(name, "structured output is not supported by this build yet")
+        return self
+
+    def _validate_counts(self) -> None:
+        _check_number("n", self.n, integer=True)
+        if self.n < 1:
+            _fail("n", f"must be at least 1, got {self.n}")
+        if self.max_tokens is not None:
+            _check_number("max_tokens", self.max_tokens, integer=True)
+            if self.max_tokens < 1:
+                _fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check_number("min_tokens", self.min_tokens, integer=True)
+        if self.min_tokens < 0:
+            _fail("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_number(name, value, integer=True)
+                if not 0 <= value <= 20:
+                    _fail(name, f"must be between 0 and 20, got {value}")
+        if self.seed is not None:
+            _check_number("seed", self.seed, integer=True)
+
+    def _validate_probabilities(self) -> None:
+        _check_number("temperature", self.temperature)
+        if not 0 <= self.temperature <= 100:
+            _fail("temperature", f"must be between 0 and 100, got {self.temperature}")
+        _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        _check_number("top_k", self.top_k, integer=True)
+        if self.top_k < -1:
+            _fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        _check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2 <= value <= 2:
+                _fail(name, f"must be in [-2, 2], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 10:
+            _fail("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+
+    def _validate_stops(self, vocab_size: int | None) -> None:
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+                _fail("stop", "expected a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                _fail("stop_token_ids", "expected a list of token ids")
+            for token in self.stop_token_ids:
+                _check_token("stop_token_ids", token, vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            _fail("logit_bias", "expected a mapping of token id to bias")
+        converted: dict[int, float] = {}
+        for token, bias in self.logit_bias.items():
+            token_id = int(token) if isinstance(token, str) and token.lstrip("-").isdigit() else token
+            _check_token("logit_bias", token_id, vocab_size)
+            _check_number("logit_bias", bias)
+            if not -100 <= bias <= 100:
+                _fail("logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}")
+            converted[token_id] = float(bias)
+        self.logit_bias = converted
+
+
+def _check_token(name: str, token: Any, vocab_size: int | None) -> None:
+    _check_number(name, token, integer=True)
+    if token < 0 or (vocab_size is not None and token >= vocab_size):
+        _fail(name, f"token id {token} is outside the vocabulary (size {vocab_size})")

@@ -67,8 +67,9 @@ class LLM:
                 for _, request in requests:  # leave the engine clean (KeyboardInterrupt included)
                     if request.request_id not in finals:
                         self.engine.abort_request(request.request_id)
-                self.engine.step()
                 raise
+            finally:
+                self.engine.apply_pending()  # stop strings found in the last step free their blocks now
         return [finals[request.request_id] for _, request in requests]
 
     def stats(self) -> dict[str, int]:

@@ -79,7 +79,7 @@ class EngineCore:
 
     def step(self) -> list[SequenceOutput]:
         """Apply queued requests/aborts, run one batch, and return every sequence's delta."""
-        outputs = self._drain_inbox()
+        outputs = self.apply_pending()
         batch = self.scheduler.schedule()
         if batch.seqs:
             outputs.extend(self._run(batch))
@@ -96,7 +96,8 @@ class EngineCore:
             "prefix_cache_hits": self.kv.prefix_hits,
         }
 
-    def _drain_inbox(self) -> list[SequenceOutput]:
+    def apply_pending(self) -> list[SequenceOutput]:
+        """Apply queued requests, aborts and stops now, without running the model."""
         outputs: list[SequenceOutput] = []
         while True:
             try:

@@ -1,0 +1,29 @@
+# `make test` and `make demo` work on a fresh machine: they create .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL ?=
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements-dev.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: setup
+	$(PY) examples/offline_generate.py $(if $(MODEL),--model $(MODEL),)
+
+bench: setup
+	$(PY) -m benchmarks.w_cpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,86 @@
+"""Shared pytest fixtures: tiny random-weight HF checkpoints, built once per session.
+
+Fixtures
+--------
+tokenizer_dir      directory with the tiny byte-level BPE tokenizer
+model_dir_factory  ``factory(kind, **kwargs) -> Path``; kwargs go to
+                   ``checkpoints.build_checkpoint`` (config overrides, or
+                   ``sharded=True``); cached per session by arguments
+llama_dir, qwen2_dir, qwen3_dir, mistral_dir
+                   default checkpoints of each kind
+model_dirs         ``{"llama": Path, "qwen2": ..., "qwen3": ..., "mistral": ...}``
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Never touch the network: everything is built locally. Set before anything
+# imports transformers / huggingface_hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Let tests (and this file) do `from checkpoints import ...` under any
+# pytest import mode.
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+import pytest  # noqa: E402
+
+from checkpoints import KINDS, build_checkpoint, build_tokenizer  # noqa: E402
+
+
+def _cache_key(kind: str, kwargs: dict) -> tuple:
+    # repr() handles unhashable override values such as rope_parameters dicts.
+    return (kind, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dir_factory(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
+    cache: dict[tuple, Path] = {}
+
+    def factory(kind: str, **kwargs) -> Path:
+        key = _cache_key(kind, kwargs)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ckpt-{kind}")
+            cache[key] = build_checkpoint(kind, out, tokenizer_dir=tokenizer_dir, **kwargs)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dir_factory) -> Path:
+    return model_dir_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(model_dir_factory) -> Path:
+    return model_dir_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(model_dir_factory) -> Path:
+    return model_dir_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(model_dir_factory) -> Path:
+    return model_dir_factory("mistral")
+
+
+@pytest.fixture(scope="session")
+def model_dirs(model_dir_factory) -> dict[str, Path]:
+    return {kind: model_dir_factory(kind) for kind in KINDS}

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,11 @@ IM_END_TOKEN_ID = 4
 # Qwen-style padded vocabulary.)
 TOKENIZER_VOCAB_SIZE = 1024
 MODEL_VOCAB_SIZE = 1024
+
+# Qwen2's pre-tokenization regex (see _train_tokenizer_object).
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -175,12 +182,25 @@ def training_corpus(num_sentences: int = 600, seed: int = 0) -> list[str]:
 
 
 def _train_tokenizer_object(vocab_size: int = TOKENIZER_VOCAB_SIZE):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    # No normalizer (it would break exact round-trips), byte-level pre-tokenizer
-    # without a prefix space, and a ByteLevel decoder: decode(encode(t)) == t.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # No normalizer (NFC etc. would break exact round-trips of arbitrary text),
+    # a byte-level pre-tokenizer without a prefix space, and a ByteLevel
+    # decoder: decode(encode(t)) == t for any string.
+    #
+    # The split regex is Qwen2's (Llama-3 style) and ByteLevel runs with
+    # use_regex=False, exactly like real Qwen2 / Llama-3 tokenizer.json files.
+    # Reason: transformers 5 AutoTokenizer loads *qwen2* model dirs with its
+    # own Qwen2Tokenizer, which rebuilds the pre-tokenizer (this regex) and
+    # adds an NFC normalizer regardless of tokenizer.json. With the same regex
+    # here, qwen2 dirs tokenize identically to the others for NFC text.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     # Deliberately NO post-processor: encoding never adds BOS/EOS by itself.
     # Callers (and the engine) add "<|begin_of_text|>" explicitly when wanted.
@@ -217,6 +237,13 @@ def build_tokenizer(out_dir: Path):
     )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(out_dir)
+    # Explicit "no unk token": otherwise transformers 5 loads qwen2 dirs with
+    # Qwen2Tokenizer, whose unk_token default "<|endoftext|>" gets *added* as
+    # an extra token with id 1024 (== outside the model's vocab).
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg["unk_token"] = None
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     assert tok.bos_token_id == BOS_TOKEN_ID and tok.eos_token_id == EOS_TOKEN_ID
     assert tok.pad_token_id == PAD_TOKEN_ID
     return tok
@@ -364,9 +391,11 @@ def build_checkpoint(
             model.save_pretrained(out_dir)
 
     if tokenizer_dir is not None:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+        # Copy the files verbatim (a load + save_pretrained round trip in
+        # transformers 5 adds junk such as "is_local" to tokenizer_config.json).
+        for f in sorted(Path(tokenizer_dir).iterdir()):
+            if f.is_file():
+                shutil.copy2(f, out_dir / f.name)
     else:
         build_tokenizer(out_dir)
     return out_dir

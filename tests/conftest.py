@@ -31,8 +31,13 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from checkpoints import KINDS, build_checkpoint, build_tokenizer  # noqa: E402
+
+# The test models are tiny: intra-op threading only adds overhead (and is
+# badly hurt by a busy machine). Override with ASYNCLLM_TEST_TORCH_THREADS.
+torch.set_num_threads(int(os.environ.get("ASYNCLLM_TEST_TORCH_THREADS", "1")))
 
 
 def _cache_key(kind: str, kwargs: dict) -> tuple:

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 
 from checkpoints import (
     BOS_TOKEN_ID,
@@ -31,6 +32,12 @@ PROMPTS = [
     "Once upon a time the robot",
 ]
 MAX_NEW = 24
+NFC_TEXTS = [
+    " ".join(NON_ASCII_SAMPLES),
+    "I'm 12345 years old!! Don't\n\n  x = 3.14\t\ty",
+    "HELLO'S World's 2024-01-01 ...",
+    "<|im_start|>user\nhi<|im_end|>\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +103,24 @@ def test_tokenizer_has_multibyte_and_partial_utf8_tokens(tokenizer):
     assert tokenizer.decode(ids) == "emoji 🙂"
 
 
+def test_tokenizer_roundtrips_non_nfc_text(tokenizer):
+    # No normalizer: decomposed characters survive (note: transformers 5
+    # AutoTokenizer on a *qwen2* model dir forces NFC, see checkpoints.py).
+    text = "cafe\u0301 e\u0301 \ufb01"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_qwen2_dir_tokenizer_quirk(qwen2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen2_dir, local_files_only=True)
+    if type(tok).__name__ == "Qwen2Tokenizer":
+        # transformers >= 5 replaces the tokenizer.json pre-tokenizer /
+        # normalizer for model_type qwen2 (NFC) -- must not add tokens though.
+        assert len(tok) == TOKENIZER_VOCAB_SIZE
+        assert tok.decode(tok.encode("cafe\u0301")) == "caf\u00e9"
+
+
 def test_chat_template(tokenizer):
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
@@ -125,6 +150,18 @@ def test_checkpoint_loads_offline(model_dirs, kind):
     assert next(model.parameters()).dtype == torch.float32
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     assert len(tok) == TOKENIZER_VOCAB_SIZE
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        BOS_TOKEN_ID,
+        EOS_TOKEN_ID,
+        PAD_TOKEN_ID,
+    )
+    assert tok.unk_token is None
+    # Same tokenization as the raw tokenizer.json for (NFC) text, whatever
+    # tokenizer class transformers picks for this model type.
+    raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+    for text in NFC_TEXTS:
+        assert tok.encode(text) == raw.encode(text).ids
+        assert tok.decode(tok.encode(text)) == text
     assert json.loads((d / "config.json").read_text())["dtype"] == "float32"
 
 

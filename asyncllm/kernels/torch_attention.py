@@ -23,9 +23,14 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return gathered.view(seqs, blocks * cache.shape[1], *cache.shape[2:])
 
 
+_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
           causal: bool = False) -> torch.Tensor:
-    """SDPA over [batch, heads, len, dim] tensors, expanding grouped KV heads."""
+    """SDPA over [batch, heads, len, dim] tensors with grouped KV heads (no copy where torch allows)."""
+    if k.shape[1] != q.shape[1] and _HAS_GQA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)
@@ -65,8 +70,12 @@ class TorchAttentionBackend:
         v = _gather(v_cache, tables).transpose(1, 2)
         positions = torch.arange(k.shape[2], device=query.device)
         mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-        q = query[rows].unsqueeze(2)  # [seqs, heads, 1, dim]
-        output[rows] = _sdpa(q, k, v, mask, scale).squeeze(2)
+        # Grouped-query trick: the query heads sharing one KV head become that head's "query rows",
+        # so K/V are read once per KV head instead of being copied for every query head.
+        kv_heads = k.shape[1]
+        q = query[rows].view(len(idx), kv_heads, -1, query.shape[-1])  # [seqs, kv_heads, group, dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        output[rows] = out.reshape(len(idx), -1, query.shape[-1])
 
     def _prefill(self, i, query, k_cache, v_cache, meta, scale, output) -> None:
         start, end = meta.query_start[i], meta.query_start[i + 1]

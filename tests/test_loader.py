@@ -1,0 +1,86 @@
+"""Checkpoint loading: sharded safetensors, dtypes, rope scaling, clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.errors import ModelLoadError
+from asyncllm.model.rotary import RotaryEmbedding, rope_frequencies
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def test_sharded_checkpoint_equals_single_file(model_dir_factory, model_dirs):
+    sharded = model_dir_factory("qwen2", sharded=True)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    a = LLM(str(sharded), dtype="float32").generate(prompts, GREEDY)
+    b = LLM(str(model_dirs["qwen2"]), dtype="float32").generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_half_precision_dtypes_run(model_dirs):
+    llm = LLM(str(model_dirs["qwen3"]), dtype="bfloat16")
+    assert llm.engine.runner.dtype == torch.bfloat16
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    (out,) = llm.generate([[5, 6, 7]], GREEDY)
+    assert len(out.outputs[0].token_ids) == 8
+    assert LLM(str(model_dirs["llama"])).engine.runner.dtype == torch.float32  # auto on CPU
+
+
+def test_llama3_rope_scaling_matches_transformers(model_dirs):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = AutoConfig.from_pretrained(model_dirs["llama"])
+    assert config.rope_parameters["rope_type"] == "llama3"
+    ours = RotaryEmbedding(*rope_frequencies(config, 16), max_positions=512)
+    ours.build(torch.device("cpu"), torch.float32)
+    theirs = LlamaRotaryEmbedding(config)
+    default = rope_frequencies(type("C", (), {"rope_parameters": {"rope_theta": 500000.0}})(), 16)[0]
+    assert not torch.allclose(theirs.inv_freq, default)  # the scaling really changes frequencies
+    positions = torch.arange(512)
+    cos, sin = theirs(torch.zeros(1, dtype=torch.float32), positions[None])
+    assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])
+
+
+def test_missing_weight_is_named(tmp_path, model_dirs):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in model_dirs["llama"].iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(model_dirs["llama"] / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="layers.1.self_attn.qkv_proj.weight"):
+        LLM(str(broken))
+
+
+def test_shape_mismatch_is_named(tmp_path, model_dirs):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "mismatch"
+    broken.mkdir()
+    for f in model_dirs["llama"].iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(model_dirs["llama"] / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="model.norm.weight"):
+        LLM(str(broken))
+
+
+def test_no_weights_at_all(tmp_path, model_dirs):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((model_dirs["llama"] / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLM(str(empty))
+    assert json.loads((empty / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

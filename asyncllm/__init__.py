@@ -1,11 +1,12 @@
 """asyncllm: an embeddable LLM inference engine (paged KV cache, continuous batching)."""
 
+from .async_llm import AsyncLLM
 from .errors import AsyncLLMError, EngineDeadError, InvalidRequestError, LoRAError
 from .llm import LLM
 from .lora_request import LoRARequest
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "RequestMetrics",
+__all__ = ["AsyncLLM", "LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "RequestMetrics",
            "AsyncLLMError", "InvalidRequestError", "EngineDeadError", "LoRAError"]
 __version__ = "0.1.0"

@@ -24,6 +24,7 @@ class _SequenceState:
     sent_chars: int = 0     # text already handed out as deltas
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
@@ -51,11 +52,12 @@ class RequestState:
         for s in self.seqs:
             c = s.completion
             end = len(c.text) if c.finished else max(s.sent_chars, len(c.text) - s.stops.hold_back)
+            finish = c.finish_reason if not s.sent_finish else None  # reported once, with its last text
             delta = CompletionOutput(
                 c.index, c.text[s.sent_chars:end], c.token_ids[s.sent_tokens:],
                 c.logprobs[s.sent_logprobs:] if c.logprobs is not None else None,
-                c.cumulative_logprob, c.finish_reason, c.stop_reason)
-            s.sent_chars, s.sent_tokens = end, len(c.token_ids)
+                c.cumulative_logprob, finish, c.stop_reason if finish else None)
+            s.sent_chars, s.sent_tokens, s.sent_finish = end, len(c.token_ids), c.finished
             s.sent_logprobs = len(c.logprobs) if c.logprobs is not None else 0
             outputs.append(delta)
         prompt_lps = None

@@ -20,7 +20,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: setup
-	$(PY) examples/offline_generate.py $(if $(MODEL),--model $(MODEL),)
+	$(PY) -m asyncllm.cli demo $(if $(MODEL),--model $(MODEL),)
 
 bench: setup
 	$(PY) -m benchmarks.w_cpu

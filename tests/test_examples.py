@@ -1,0 +1,60 @@
+"""The examples and the demo run, and do what they say."""
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import httpx
+
+from asyncllm import AsyncLLM
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_offline_generate_example(model_dirs):
+    outputs = _load("offline_generate").run(str(model_dirs["llama"]))
+    assert len(outputs) == 3 and len(outputs[1].outputs) == 2
+    assert outputs[2].outputs[0].logprobs is not None
+
+
+def test_concurrent_streams_example_leaves_engine_empty(model_dirs):
+    result = asyncio.run(_load("concurrent_streams").run(str(model_dirs["llama"]), streams=30))
+    assert len(result["outcomes"]) == 30 and len(set(result["outcomes"])) > 2
+    stats = result["stats"]
+    assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_starlette_streaming_example(model_dirs):
+    example = _load("starlette_streaming")
+
+    async def main():
+        llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32")
+        try:
+            app = example.build_app(llm)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+                response = await client.get("/generate", params={"prompt": "Hello there", "max_tokens": 8})
+                expected = await llm.generate("Hello there", max_tokens=8, temperature=0)
+                assert response.status_code == 200
+                assert response.text == expected.outputs[0].text
+                bad = await client.get("/generate", params={"prompt": "Hello", "max_tokens": 0})
+                assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]
+        finally:
+            await llm.aclose()
+
+    asyncio.run(main())
+
+
+def test_demo_runs_and_reports(model_dirs, capsys):
+    from asyncllm.demo import run_demo
+
+    figures = asyncio.run(run_demo(str(model_dirs["llama"]), num_prompts=3, max_tokens=5))
+    assert figures["output_tokens"] == 15 and figures["tokens_per_s"] > 0
+    assert figures["ttft_ms_p50"] > 0
+    assert "[2]" in capsys.readouterr().out

@@ -269,3 +269,25 @@ def test_aclose_finishes_open_streams_and_refuses_new_ones(llama_path):
             await llm.generate([5], max_tokens=2)
 
     asyncio.run(main())
+
+
+def test_request_id_reused_right_after_a_stop_string(async_llm, sync_llm):
+    prompt = "The quick brown fox"
+    free = sync_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop = sync_llm.tokenizer.decode(free.token_ids[:4])[-2:]
+
+    async def main():
+        outs = []
+        for _ in range(3):  # the engine may still hold the stopped sequence when the id comes back
+            outs.append(await async_llm.generate(prompt, request_id="same-id", temperature=0, max_tokens=30,
+                                                 ignore_eos=True, stop=stop))
+        dup = async_llm.stream(prompt, request_id="live-id", max_tokens=50, ignore_eos=True)
+        await dup.__anext__()
+        with pytest.raises(InvalidRequestError, match="already running"):
+            await async_llm.generate(prompt, request_id="live-id", max_tokens=2)
+        await dup.aclose()
+        return outs, await _wait_idle(async_llm)
+
+    outs, stats = asyncio.run(main())
+    assert all(o.outputs[0].finish_reason == "stop" and o.outputs[0].text == outs[0].outputs[0].text for o in outs)
+    assert stats["kv_blocks_used"] == 0

@@ -117,9 +117,11 @@ class EngineCore:
                     self._finish(seqs[index], "stop", None, [], [])
 
     def _admit(self, request: EngineRequest) -> None:
-        if request.request_id in self._sequences:
-            logger.warning("duplicate request id %s ignored", request.request_id)
-            return
+        for stale in self._sequences.pop(request.request_id, []):
+            # The fronts keep live ids unique, so an id still here belongs to a request its front has
+            # already finished (e.g. its stop-string stop is still queued): drop it without a word.
+            if not stale.is_finished:
+                self.scheduler.finish(stale)
         seqs = [Sequence(request, i, self._generator_for(request, i)) for i in range(request.params.n)]
         leader = seqs[0]
         for child in seqs[1:]:

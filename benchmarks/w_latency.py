@@ -1,0 +1,106 @@
+"""W-LATENCY: one request at a time (128-token prompt, 128 output tokens), measured by the consumer.
+
+    python -m benchmarks.w_latency [--requests 20] [--json out.json]
+
+Time to first token and inter-token latency are taken where the application sees them: between
+items of ``llm.stream_outputs()``. The engine's own step time is recorded alongside, so the cost
+of delivery (thread hand-off, detokenization, event-loop wake-up) is the difference of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import CPU_LLAMA_SPEC, build_cpu_llama, machine_info
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def _time_engine_steps(llm) -> list[float]:
+    """Wrap the engine's step() to record how long each one takes (engine thread side)."""
+    durations: list[float] = []
+    step = llm.engine.step
+
+    def timed_step():
+        start = time.perf_counter()
+        outputs = step()
+        if outputs:
+            durations.append(time.perf_counter() - start)
+        return outputs
+
+    llm.engine.step = timed_step
+    return durations
+
+
+async def measure(model_dir: str, requests: int, prompt_len: int, output_len: int, seed: int = 0) -> dict:
+    from asyncllm import AsyncLLM
+
+    rng = random.Random(seed)
+    vocab = CPU_LLAMA_SPEC["vocab_size"]
+    ttfts, gaps = [], []
+    async with AsyncLLM(model_dir, dtype="float32") as llm:
+        await llm.generate([11] * prompt_len, max_tokens=4, ignore_eos=True)  # warm-up
+        steps = _time_engine_steps(llm)
+        for i in range(requests):
+            prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
+            start = last = time.perf_counter()
+            first = True
+            async for delta in llm.stream_outputs(prompt, temperature=0, max_tokens=output_len, ignore_eos=True):
+                now = time.perf_counter()
+                if first:
+                    ttfts.append(now - start)
+                    first = False
+                else:
+                    gaps.append(now - last)
+                last = now
+            print(f"\r[w-latency] request {i + 1}/{requests}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+    decode_steps = sorted(steps)[: max(1, len(steps) - requests)]  # drop the prefill steps (the slowest)
+    ms = lambda v: round(v * 1000, 3)  # noqa: E731
+    step_p50 = statistics.median(decode_steps)
+    itl_p50 = statistics.median(gaps)
+    return {
+        "workload": {"name": "W-LATENCY", "requests": requests, "prompt_len": prompt_len, "output_len": output_len},
+        "ttft_ms": {"p50": ms(statistics.median(ttfts)), "p99": ms(percentile(ttfts, 99))},
+        "itl_ms": {"p50": ms(itl_p50), "p99": ms(percentile(gaps, 99))},
+        "engine_decode_step_ms": {"p50": ms(step_p50), "p99": ms(percentile(decode_steps, 99))},
+        "delivery_overhead_ms_p50": ms(itl_p50 - step_p50),
+        "machine": machine_info(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.w_latency", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--model-dir", help="checkpoint to use instead of the cached cpu-llama")
+    parser.add_argument("--json", metavar="PATH", help="write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    model_dir = args.model_dir or str(build_cpu_llama())
+    result = asyncio.run(measure(model_dir, args.requests, args.prompt_len, args.output_len))
+    result["command"] = "python -m benchmarks.w_latency " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"W-LATENCY ({args.requests} requests, {args.prompt_len} prompt / {args.output_len} output tokens)")
+    print(f"  time to first token  p50 {result['ttft_ms']['p50']:8.2f} ms   p99 {result['ttft_ms']['p99']:8.2f} ms")
+    print(f"  inter-token latency  p50 {result['itl_ms']['p50']:8.2f} ms   p99 {result['itl_ms']['p99']:8.2f} ms")
+    print(f"  engine decode step   p50 {result['engine_decode_step_ms']['p50']:8.2f} ms   "
+          f"p99 {result['engine_decode_step_ms']['p99']:8.2f} ms")
+    print(f"  delivery overhead    p50 {result['delivery_overhead_ms_p50']:8.3f} ms")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -148,13 +148,17 @@ class AsyncLLM:
         self.engine.add_request(request)
         self._thread.wake()
         try:
-            while not state.finished:
+            done = False
+            while not done:
                 await event.wait()
                 event.clear()
                 if rid in bridge.errors:
                     raise bridge.errors.pop(rid)
+                # read before yielding: a request that finishes while the consumer holds this delta
+                # must still hand out its last one (tokens and finish_reason) at the next wake-up
+                done = state.finished
                 delta = state.take_delta()
-                if state.finished or _has_news(delta):
+                if done or _has_news(delta):
                     yield state, delta
         finally:
             bridge.events.pop(rid, None)

@@ -175,6 +175,24 @@ def test_multibyte_characters_stream_whole(async_llm):
     assert "" in pieces  # some character did arrive split across tokens
 
 
+def test_slow_consumer_still_gets_the_last_delta(async_llm, sync_llm):
+    """A request that finishes while its consumer is busy hands out its last tokens and finish_reason."""
+    prompt = [5, 6, 7]
+    want = sync_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+
+    async def main():
+        tokens, reasons = [], []
+        async for delta in async_llm.stream_outputs(prompt, temperature=0, max_tokens=6, ignore_eos=True):
+            tokens += delta.outputs[0].token_ids
+            reasons.append(delta.outputs[0].finish_reason)
+            await asyncio.sleep(0.3)  # meanwhile the engine finishes the request
+        return tokens, reasons
+
+    tokens, reasons = asyncio.run(main())
+    assert tokens == want.token_ids
+    assert reasons[-1] == "length" and len(reasons) >= 2
+
+
 def test_abort_and_cancel(async_llm):
     async def main():
         stream = async_llm.stream_outputs([5, 6, 7], temperature=1.0, n=3, max_tokens=200, ignore_eos=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ class AttentionMetadata:
     block_size: int
     decode_indices: list[int]       # sequences with exactly one query token
     prefill_indices: list[int]      # sequences with several query tokens
+    backend_state: Any = None       # whatever the attention backend prepares once per step
 
     @property
     def num_seqs(self) -> int:

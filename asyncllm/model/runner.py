@@ -143,6 +143,7 @@ class ModelRunner:
             block_size=self.block_size,
             decode_indices=[i for i, n in enumerate(batch.num_new_tokens) if n == 1],
             prefill_indices=[i for i, n in enumerate(batch.num_new_tokens) if n > 1])
+        self.backend.prepare(meta)
         return torch.tensor(ids, device=dev), positions, meta
 
 

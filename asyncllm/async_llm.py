@@ -108,6 +108,24 @@ class AsyncLLM:
         """Engine counters as of the last step (see shared/API.md)."""
         return dict(self._thread.stats)
 
+    async def check_health(self) -> None:
+        """Return if the engine accepts work; raise EngineDeadError if it died or was closed."""
+        with self._lock:
+            self._check_usable()
+
+    # LoRA adapters are their own milestone (asyncllm/adapters); until then none can be loaded.
+    def list_loras(self) -> list[str]:
+        """Names of the registered LoRA adapters."""
+        return []
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter under ``name`` (not available in this build yet)."""
+        raise LoRAError(f"cannot load LoRA adapter {name!r}: LoRA adapters are not supported by this build yet")
+
+    async def remove_lora(self, name: str) -> None:
+        """Unregister an adapter."""
+        raise LoRAError(f"unknown LoRA adapter {name!r}: no adapters are loaded")
+
     async def aclose(self) -> None:
         """Abort what runs, stop the engine thread and wait for it. Safe to call twice."""
         await asyncio.to_thread(self.close)

@@ -5,6 +5,7 @@ import importlib.util
 from pathlib import Path
 
 import httpx
+import pytest
 
 from asyncllm import AsyncLLM
 
@@ -58,3 +59,43 @@ def test_demo_runs_and_reports(model_dirs, capsys):
     assert figures["output_tokens"] == 15 and figures["tokens_per_s"] > 0
     assert figures["ttft_ms_p50"] > 0
     assert "[2]" in capsys.readouterr().out
+
+
+def test_server_examples_starlette_mount_and_openai_client(model_dirs, capsys):
+    from uvicorn_thread import serve_in_thread
+
+    llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32")
+    try:
+        app = _load("server_starlette").build_app(llm)
+        with serve_in_thread(app) as url:
+            assert httpx.get(f"{url}/").json()["llm"].endswith("/llm/v1/models")
+            result = _load("openai_client").run(f"{url}/llm/v1", max_tokens=12)
+    finally:
+        llm.close()
+    assert result["model"] == model_dirs["llama"].name
+    assert result["streamed"] == result["chat"] and result["stream_usage"].completion_tokens <= 12
+    assert result["completion"].choices[0].finish_reason in ("stop", "length")
+    assert "[stream]" in capsys.readouterr().out
+
+
+def test_server_fastapi_example(model_dirs):
+    pytest.importorskip("fastapi")
+    example = _load("server_fastapi")
+
+    async def main():
+        llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32")
+        try:
+            app = example.build_app(llm)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+                assert (await client.get("/engine")).json()["num_running"] == 0
+                models = (await client.get("/llm/v1/models")).json()
+                chat = await client.post("/llm/v1/chat/completions", json={
+                    "model": models["data"][0]["id"], "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 4})
+                assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] <= 4
+                bad = await client.post("/llm/v1/chat/completions", json={"messages": "Hi"})
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+        finally:
+            await llm.aclose()
+
+    asyncio.run(main())

@@ -1,0 +1,177 @@
+"""``create_app``: the OpenAI-style Starlette sub-app over an ``AsyncLLM`` the host owns.
+
+The app has no lifespan of its own (Starlette does not run a mounted app's lifespan): it never
+starts or closes the engine, and everything it needs is built here, when it is created.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import AsyncLLMError, InvalidRequestError, LoRAError
+from ..frontend.prompts import render_chat
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, ClientDisconnected, from_engine_error, http_exception_handler
+from .metrics import ServerMetrics
+from .protocol import (DetokenizeRequest, LoadLoRARequest, ModelCard, ModelList, TokenizeRequest,
+                       UnloadLoRARequest)
+from .serving import ServerContext, parse_body
+
+if TYPE_CHECKING:
+    from ..async_llm import AsyncLLM
+
+Handler = Callable[[ServerContext, Request], Awaitable[Response]]
+
+
+def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | None = None) -> Starlette:
+    """An OpenAI-compatible Starlette app serving ``llm``; mount it anywhere or run it as is.
+
+    ``model_name`` is what clients pass as ``model`` (default: the checkpoint directory's name).
+    With ``api_key`` set, every route but ``/health`` and ``/metrics`` needs
+    ``Authorization: Bearer <api_key>``. The host creates and closes ``llm``.
+    """
+    name = model_name or default_model_name(llm)
+    ctx = ServerContext(llm=llm, model_name=name, model_root=str(llm.config.model), api_key=api_key,
+                        metrics=ServerMetrics(llm, name), created=int(time.time()))
+
+    def route(path: str, handler: Handler, method: str, *, auth: bool = True) -> Route:
+        return Route(path, _endpoint(ctx, handler, auth), methods=[method])
+
+    routes = [
+        route("/v1/chat/completions", create_chat_completion, "POST"),
+        route("/v1/completions", create_completion, "POST"),
+        route("/v1/models", list_models, "GET"),
+        route("/v1/models/{model:path}", retrieve_model, "GET"),
+        route("/v1/load_lora_adapter", load_lora_adapter, "POST"),
+        route("/v1/unload_lora_adapter", unload_lora_adapter, "POST"),
+        route("/tokenize", tokenize, "POST"),
+        route("/detokenize", detokenize, "POST"),
+        route("/health", health, "GET", auth=False),
+        route("/metrics", metrics, "GET", auth=False),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_exception_handler,
+                                                        Exception: _internal_error})
+    app.state.asyncllm = ctx  # for hosts and tests: the engine, model name and metrics registry
+    return app
+
+
+def default_model_name(llm: "AsyncLLM") -> str:
+    """The basename of the model directory (``/models/Qwen2.5-0.5B/`` -> ``Qwen2.5-0.5B``)."""
+    return Path(llm.config.model).resolve().name
+
+
+def _endpoint(ctx: ServerContext, handler: Handler, auth: bool) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            if auth and ctx.api_key is not None:
+                _check_api_key(request, ctx.api_key)
+            return await handler(ctx, request)
+        except APIError as exc:
+            return exc.response()
+        except AsyncLLMError as exc:
+            return from_engine_error(exc).response()
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    return endpoint
+
+
+def _check_api_key(request: Request, api_key: str) -> None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # constant-time comparison: the key must not leak through response timing
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not bad input: still answered in OpenAI's shape (and logged by the server)."""
+    return APIError(500, f"internal server error: {type(exc).__name__}").response()
+
+
+# ---- small routes ------------------------------------------------------------------------------
+
+def _cards(ctx: ServerContext) -> list[ModelCard]:
+    base = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_root,
+                     max_model_len=ctx.llm.max_model_len)
+    adapters = [ModelCard(id=name, created=ctx.created, root=name, parent=ctx.model_name,
+                          max_model_len=ctx.llm.max_model_len) for name in ctx.llm.list_loras()]
+    return [base, *adapters]
+
+
+async def list_models(ctx: ServerContext, request: Request) -> Response:
+    """The base model and every loaded LoRA adapter (each selectable as ``model``)."""
+    return JSONResponse(ModelList(data=_cards(ctx)).model_dump(mode="json"))
+
+
+async def retrieve_model(ctx: ServerContext, request: Request) -> Response:
+    wanted = request.path_params["model"]
+    for card in _cards(ctx):
+        if card.id == wanted:
+            return JSONResponse(card.model_dump(mode="json"))
+    raise APIError(404, f"The model `{wanted}` does not exist.", param="model", code="model_not_found")
+
+
+async def load_lora_adapter(ctx: ServerContext, request: Request) -> Response:
+    body = await parse_body(request, LoadLoRARequest)
+    try:
+        await ctx.llm.add_lora(body.lora_name, body.lora_path)
+    except LoRAError as exc:
+        raise APIError(400, str(exc), param="lora_path") from None
+    return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "status": "loaded"})
+
+
+async def unload_lora_adapter(ctx: ServerContext, request: Request) -> Response:
+    body = await parse_body(request, UnloadLoRARequest)
+    if body.lora_name not in ctx.llm.list_loras():
+        raise APIError(404, f"LoRA adapter `{body.lora_name}` is not loaded.", param="lora_name",
+                       code="lora_not_found")
+    await ctx.llm.remove_lora(body.lora_name)
+    return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"})
+
+
+async def tokenize(ctx: ServerContext, request: Request) -> Response:
+    """Token ids of a text prompt, or of chat messages rendered with the chat template."""
+    body = await parse_body(request, TokenizeRequest)
+    ctx.resolve_model(body.model)
+    tokenizer = ctx.llm.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "exactly one of 'prompt' and 'messages' is required", param="prompt")
+    if body.messages is not None:
+        text = render_chat([m.to_template_dict() for m in body.messages], tokenizer, body.tools)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.llm.max_model_len, "tokens": list(ids)})
+
+
+async def detokenize(ctx: ServerContext, request: Request) -> Response:
+    body = await parse_body(request, DetokenizeRequest)
+    ctx.resolve_model(body.model)
+    size = len(ctx.llm.tokenizer)
+    for token in body.tokens:
+        if not 0 <= token < size:
+            raise InvalidRequestError(f"tokens: token id {token} is outside the vocabulary (size {size})",
+                                      field="tokens")
+    return JSONResponse({"prompt": ctx.llm.tokenizer.decode(body.tokens)})
+
+
+async def health(ctx: ServerContext, request: Request) -> Response:
+    """200 while the engine runs; 503 once it died or was closed."""
+    await ctx.llm.check_health()
+    return Response(status_code=200)
+
+
+async def metrics(ctx: ServerContext, request: Request) -> Response:
+    content, content_type = ctx.metrics.render()
+    return Response(content, headers={"Content-Type": content_type})

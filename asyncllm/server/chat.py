@@ -1,0 +1,74 @@
+"""``POST /v1/chat/completions``: whole responses and SSE streams in OpenAI's chunk format."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..outputs import RequestOutput
+from .logprobs import chat_logprobs
+from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, DeltaMessage)
+from .serving import (ServerContext, UsageCounter, check_not_aborted, chunk_json, collect, merged, open_streams,
+                      parse_body, sse_response)
+
+
+async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
+    """Validate, submit (one engine request with ``n`` choices) and answer whole or streamed."""
+    body = await parse_body(request, ChatCompletionRequest)
+    lora = ctx.resolve_model(body.model)
+    kwargs = body.sampling_kwargs()  # its own errors already name the request's parameters
+    messages = [m.to_template_dict() for m in body.messages]
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await open_streams(ctx, request, [messages], kwargs, request_id=request_id, lora=lora,
+                                 tools=body.tools, param_for=body.param_for)
+    model = body.model or ctx.model_name
+    if body.stream:
+        return sse_response(_chunks(ctx, body, request_id, model, streams))
+    (output,) = await collect(request, streams)
+    return JSONResponse(_response(ctx, body, request_id, model, output).model_dump(mode="json"))
+
+
+def _response(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, model: str,
+              output: RequestOutput) -> ChatCompletionResponse:
+    usage = UsageCounter()
+    usage.add(0, output)
+    choices = []
+    for c in output.outputs:
+        logprobs = None
+        if body.logprobs:
+            logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0)
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
+                                  finish_reason=c.finish_reason))
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info())
+
+
+async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, model: str,
+                  streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    """The role chunk of every choice, its content deltas, its finish chunk, then usage if asked."""
+    created = int(time.time())
+
+    def chunk(choice: ChatChunkChoice | None, usage=None) -> str:
+        return chunk_json(ChatCompletionChunk(id=request_id, created=created, model=model,
+                                              choices=[choice] if choice else [], usage=usage), body.include_usage)
+
+    usage = UsageCounter()
+    for index in range(body.n):
+        yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+    async for position, delta in merged(streams):
+        usage.add(position, delta)
+        for c in delta.outputs:
+            logprobs = None
+            if body.logprobs and c.token_ids:
+                logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0)
+            if c.text or logprobs:
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs))
+            if c.finish_reason is not None:
+                check_not_aborted(delta)
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason))
+    if body.include_usage:
+        yield chunk(None, usage.info())

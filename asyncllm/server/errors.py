@@ -1,0 +1,88 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ..errors import AsyncLLMError, EngineDeadError, InvalidRequestError, LoRAError
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error the server answers with; raised anywhere inside a route."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        """The JSON body, also sent as an SSE event when a stream fails midway."""
+        error_type = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready."""
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """A malformed body (bad JSON, wrong type, missing field) as a 400 naming the parameter."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = first.get("loc", ())
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}")
+    if not loc:
+        return APIError(400, f"the request body must be a JSON object: {first['msg']}")
+    message = first["msg"]
+    if len(errors) > 1 and all(e["loc"][:1] == loc[:1] for e in errors):
+        # a union field (stop, prompt, content...) fails once per alternative: name the common path
+        loc = _common_prefix([e["loc"] for e in errors])
+        message = "none of the accepted types matches this value"
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    return APIError(400, f"{path}: {message}", param=str(loc[0]))
+
+
+def _common_prefix(locs: list[tuple]) -> tuple:
+    prefix = locs[0]
+    for loc in locs[1:]:
+        size = 0
+        while size < min(len(prefix), len(loc)) and prefix[size] == loc[size]:
+            size += 1
+        prefix = prefix[:size]
+    return prefix
+
+
+def from_engine_error(exc: AsyncLLMError, param_for: Callable[[str | None], str | None] | None = None) -> APIError:
+    """Map asyncllm's errors to HTTP: bad input 400, unusable adapter 400, dead engine 503."""
+    if isinstance(exc, InvalidRequestError):
+        param = param_for(exc.field) if param_for else exc.field
+        message = str(exc)
+        if param and exc.field and param != exc.field and message.startswith(f"{exc.field}:"):
+            message = f"{param}:{message[len(exc.field) + 1:]}"  # name what the client actually sent
+        return APIError(400, message, param=param)
+    if isinstance(exc, LoRAError):
+        return APIError(400, str(exc), param="model")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
+    return APIError(400, str(exc))
+
+
+async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own 404/405 (unknown route, wrong method) in OpenAI's shape."""
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", None) or "error"
+    return APIError(status, f"{request.method} {request.url.path}: {detail}").response()

@@ -1,0 +1,66 @@
+"""Engine logprobs (one ``{token_id: logprob}`` dict per token) in OpenAI's two formats."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+# JSON has no -inf; vLLM reports fully masked tokens with this floor too
+_FLOOR = -9999.0
+
+
+def _clamp(value: float) -> float:
+    return max(value, _FLOOR)
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as text (special tokens included), as OpenAI shows it in logprobs."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _top(entries: dict[int, float], k: int) -> list[tuple[int, float]]:
+    # the dict holds the top k plus the chosen token; a chosen token outside the top k ranks last
+    return sorted(entries.items(), key=lambda item: item[1], reverse=True)[:k]
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], top_k: int) -> ChatLogprobs:
+    """``choices[i].logprobs`` of a chat completion (or chunk)."""
+    content = []
+    for token_id, entries in zip(token_ids, logprobs):
+        chosen = _top_logprob(tokenizer, token_id, entries.get(token_id, _FLOOR))
+        top = [_top_logprob(tokenizer, tid, lp) for tid, lp in _top(entries, top_k)]
+        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def _top_logprob(tokenizer, token_id: int, logprob: float) -> TopLogprob:
+    text = token_text(tokenizer, token_id)
+    return TopLogprob(token=text, logprob=_clamp(logprob), bytes=list(text.encode()))
+
+
+class CompletionLogprobsBuilder:
+    """Legacy completions logprobs (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)
+    for one choice, kept across stream chunks so text offsets continue."""
+
+    def __init__(self, tokenizer, top_k: int) -> None:
+        self.tokenizer = tokenizer
+        self.top_k = top_k
+        self.offset = 0  # characters of the choice's text so far
+
+    def build(self, token_ids: list[int], logprobs: list[Optional[dict[int, float]]]) -> CompletionLogprobs:
+        """Logprobs of these tokens; an entry of None (a prompt's first token) has no logprob."""
+        out = CompletionLogprobs()
+        for token_id, entries in zip(token_ids, logprobs):
+            text = token_text(self.tokenizer, token_id)
+            out.tokens.append(text)
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+            if entries is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(_clamp(entries.get(token_id, _FLOOR)))
+            out.top_logprobs.append({token_text(self.tokenizer, tid): _clamp(lp)
+                                     for tid, lp in _top(entries, self.top_k)})
+        return out

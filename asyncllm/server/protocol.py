@@ -1,0 +1,313 @@
+"""Pydantic models of the OpenAI chat-completions and completions protocol (plus vLLM's extras).
+
+Requests are validated strictly (``"0.5"`` is not a number, ``true`` is not an integer), as
+OpenAI does, and unknown fields are ignored, as vLLM does, so clients and agent frameworks
+that send newer OpenAI fields keep working. Responses serialise exactly the fields OpenAI sends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from ..errors import InvalidRequestError
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Response(BaseModel):
+    """A response object; fields listed in ``_omit_if_none`` vanish from the JSON when None."""
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler):
+        data = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One input message; extra keys (tool_calls, name, ...) are passed to the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextContentPart], None] = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        content = self.content
+        if isinstance(content, list):  # text parts are joined, as vLLM does
+            content = "\n".join(part.text for part in content)
+        message["content"] = content or ""
+        return message
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both endpoints: OpenAI's, then vLLM's sampling extras."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None  # accepted and ignored
+    response_format: Optional[ResponseFormat] = None
+    # vLLM extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+
+    _passthrough: ClassVar[tuple[str, ...]] = (
+        "n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "seed",
+        "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+        "include_stop_str_in_output", "skip_special_tokens")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def common_sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams keywords both endpoints share; the engine validates their values."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options: only allowed when stream is true", field="stream_options")
+        kwargs = {name: getattr(self, name) for name in self._passthrough if getattr(self, name) is not None}
+        if self.stop:  # OpenAI treats an empty list as no stop
+            kwargs["stop"] = self.stop
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = (self.response_format.json_schema or {}).get("schema", {"type": "object"})
+            kwargs["json_schema"] = schema if self.response_format.type == "json_schema" else {"type": "object"}
+        return kwargs
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = self.common_sampling_kwargs()
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        kwargs["max_tokens"] = max_tokens  # None: as much as the context leaves, as OpenAI does
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs: requires logprobs to be true", field="top_logprobs")
+        if self.logprobs:
+            kwargs["logprobs"] = self.top_logprobs or 0
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice: only 'auto' and 'none' are supported by this server yet",
+                                      field="tool_choice")
+        return kwargs
+
+    def param_for(self, field: str | None) -> str | None:
+        """The request parameter a SamplingParams field came from (for error messages)."""
+        renames = {"prompt": "messages", "logprobs": "top_logprobs", "json_schema": "response_format",
+                   "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+        return renames.get(field, field)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions`` (the legacy text-completion endpoint)."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The request's prompts as a list (a batch request has several)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt: must not be empty", field="prompt")
+        return list(prompt)
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = self.common_sampling_kwargs()
+        kwargs["max_tokens"] = self.max_tokens
+        if self.suffix is not None:
+            raise InvalidRequestError("suffix: not supported by this server", field="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of: only best_of == n is supported", field="best_of")
+        if self.logprobs is not None:
+            kwargs["logprobs"] = self.logprobs
+            if self.echo:
+                kwargs["prompt_logprobs"] = self.logprobs
+        return kwargs
+
+    def param_for(self, field: str | None) -> str | None:
+        return {"json_schema": "response_format", "prompt_logprobs": "logprobs"}.get(field, field)
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize``: either ``prompt`` or ``messages``."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    tools: Optional[list[dict[str, Any]]] = None
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class LoadLoRARequest(_Request):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(_Request):
+    lora_name: str = Field(min_length=1)
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class AssistantMessage(_Response):
+    _omit_if_none = ("tool_calls",)
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    _omit_if_none = ("role", "content", "tool_calls")
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(_Response):
+    _omit_if_none = ("usage",)
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(_Response):
+    _omit_if_none = ("usage",)
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "asyncllm"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,66 @@
+"""``asyncllm serve MODEL``: the OpenAI-style app on its own, under uvicorn (options: asyncllm/cli.py).
+
+Shutdown is uvicorn's: on SIGINT or SIGTERM it stops accepting connections, lets open requests
+finish (open SSE streams are ended by sse-starlette) for up to ``GRACEFUL_SHUTDOWN_S`` seconds,
+then returns; the engine is closed after that and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+GRACEFUL_SHUTDOWN_S = 10
+
+logger = logging.getLogger(__name__)
+
+
+def parse_loras(specs: list[str]) -> list[tuple[str, str]]:
+    """``["name=path", ...]`` as pairs; a malformed spec is a usage error."""
+    pairs = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"asyncllm serve: --lora expects NAME=PATH, got {spec!r}")
+        pairs.append((name, path))
+    return pairs
+
+
+def main(args: argparse.Namespace) -> None:
+    """Load the model, register adapters, serve until SIGINT/SIGTERM, then close the engine."""
+    import uvicorn
+
+    from ..async_llm import AsyncLLM
+    from ..errors import AsyncLLMError
+    from .app import create_app
+
+    loras = parse_loras(args.lora)
+    llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                   max_num_seqs=args.max_num_seqs)
+    try:
+        try:
+            asyncio.run(_load_loras(llm, loras))
+        except AsyncLLMError as exc:
+            raise SystemExit(f"asyncllm serve: {exc}") from None
+        app = create_app(llm, model_name=args.model_name, api_key=args.api_key)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        # uvicorn re-raises the signal that stopped it once it has shut down: make SIGTERM end
+        # like SIGINT (KeyboardInterrupt, caught below) so the engine is closed and the exit is clean
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            uvicorn.Server(config).run()
+        except KeyboardInterrupt:
+            pass
+    finally:
+        llm.close()
+    print("asyncllm serve: stopped", file=sys.stderr)
+
+
+async def _load_loras(llm, loras: list[tuple[str, str]]) -> None:
+    for name, path in loras:
+        await llm.add_lora(name, path)
+        logger.info("loaded LoRA adapter %s from %s", name, path)

@@ -1,0 +1,242 @@
+"""What chat and text completions share: the app's context, starting streams, disconnects, SSE.
+
+A request's streams are *primed* (their first delta awaited) before any HTTP status is sent, so
+bad input becomes a 400 rather than an error event in a 200 stream. Until the answer starts,
+the client's disconnect is watched explicitly; once an SSE stream runs, sse-starlette watches it.
+Either way the request's generator is closed at once, which aborts it in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+
+from ..errors import AsyncLLMError
+from ..outputs import RequestOutput
+from .errors import APIError, ClientDisconnected, from_engine_error, from_validation_error
+from .metrics import ServerMetrics
+from .protocol import UsageInfo
+
+if TYPE_CHECKING:
+    from ..async_llm import AsyncLLM
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class ServerContext:
+    """Everything the routes of one app share."""
+
+    llm: "AsyncLLM"
+    model_name: str
+    model_root: str
+    api_key: str | None
+    metrics: ServerMetrics
+    created: int
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` selects (None: the base model); 404 if unknown."""
+        if name is None or name == self.model_name:
+            return None
+        if name in self.llm.list_loras():
+            return name
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The request's JSON body validated into ``model``; a 400 naming the parameter otherwise."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` unless the client disconnects first (then cancel it: that aborts)."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finished_first = work.done()
+    finally:
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if not finished_first:
+        raise ClientDisconnected()
+    return work.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # the body has been read already, so the next message is the disconnect (or nothing)
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def open_streams(ctx: ServerContext, request: Request, prompts: list[Any], kwargs: dict[str, Any], *,
+                       request_id: str, lora: str | None, tools: list | None,
+                       param_for: Callable[[str | None], str | None]) -> list[AsyncIterator[RequestOutput]]:
+    """Submit one request per prompt and wait for each one's first delta (a 400 if one is refused)."""
+    n = kwargs.get("n", 1)
+    streams = []
+    for i, prompt in enumerate(prompts):
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        stream = ctx.llm.stream_outputs(prompt, lora=lora, request_id=rid, tools=tools, **kwargs)
+        streams.append(ctx.metrics.track(stream, n, lora))
+    try:
+        return await until_disconnect(request, _prime_all(streams))
+    except AsyncLLMError as exc:
+        raise from_engine_error(exc, param_for) from None
+
+
+async def _prime_all(streams: list[AsyncIterator[T]]) -> list[AsyncIterator[T]]:
+    tasks = [asyncio.ensure_future(stream.__anext__()) for stream in streams]
+    try:
+        firsts = await asyncio.gather(*tasks)
+    except BaseException:  # one was refused, or the client left: abort all of them
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return [_prepend(first, stream) for first, stream in zip(firsts, streams)]
+
+
+async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several streams as they come, tagged with their stream's position."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))  # bounded: a slow reader backs up the pumps
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item, None))
+            await queue.put((i, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((i, None, exc))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is None:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def fold(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Add a delta to a cumulative output (deltas are fresh objects, so the first one is reused)."""
+    if total is None:
+        return delta
+    for acc, new in zip(total.outputs, delta.outputs):
+        acc.text += new.text
+        acc.token_ids += new.token_ids
+        if new.logprobs is not None:
+            acc.logprobs = (acc.logprobs or []) + new.logprobs
+        acc.finish_reason = new.finish_reason or acc.finish_reason
+        acc.stop_reason = new.stop_reason if new.finish_reason else acc.stop_reason
+        acc.cumulative_logprob = new.cumulative_logprob
+    total.prompt_logprobs = total.prompt_logprobs or delta.prompt_logprobs
+    total.finished = delta.finished
+    return total
+
+
+async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Run every stream to its end (aborting all if the client leaves); final outputs in order."""
+    async def run() -> list[RequestOutput]:
+        totals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, delta in merged(streams):
+            totals[i] = fold(totals[i], delta)
+        return totals
+
+    try:
+        totals = await until_disconnect(request, run())
+    except AsyncLLMError as exc:
+        raise from_engine_error(exc) from None
+    for total in totals:
+        check_not_aborted(total)
+    return totals
+
+
+def check_not_aborted(output: RequestOutput) -> None:
+    """An abort the client did not cause (the host closed the engine, or aborted the request)."""
+    if any(c.finish_reason == "abort" for c in output.outputs):
+        raise APIError(503, "the request was aborted by the server (shutting down or cancelled)",
+                       code="request_aborted")
+
+
+class UsageCounter:
+    """Token usage of a (possibly batched, possibly streamed) request."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self._seen: set[int] = set()
+
+    def add(self, position: int, delta: RequestOutput) -> None:
+        if position not in self._seen:
+            self._seen.add(position)
+            self.prompt_tokens += len(delta.prompt_token_ids)
+        self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+
+    def info(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+def chunk_json(chunk: BaseModel, include_usage: bool) -> str:
+    """A stream chunk; with ``include_usage`` every chunk carries ``"usage"`` (null but the last)."""
+    data = chunk.model_dump(mode="json")
+    if include_usage:
+        data.setdefault("usage", None)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
+    """Stream JSON chunks as OpenAI does: ``data: {...}`` events, then ``data: [DONE]``."""
+    async def events() -> AsyncIterator[dict[str, str]]:
+        try:
+            async for data in chunks:
+                yield {"data": data}
+        except APIError as exc:  # the status is sent already: report it in the stream, as OpenAI does
+            yield {"data": json.dumps(exc.body())}
+        except AsyncLLMError as exc:
+            yield {"data": json.dumps(from_engine_error(exc).body())}
+        finally:
+            await chunks.aclose()
+        yield {"data": "[DONE]"}
+
+    return EventSourceResponse(events(), sep="\n")

@@ -21,6 +21,7 @@ from .engine.core import EngineCore, SequenceOutput
 from .engine.engine_thread import EngineThread
 from .errors import EngineDeadError, InvalidRequestError, LoRAError
 from .frontend.input_processor import InputProcessor
+from .frontend.lora import cached_lora, load_lora
 from .frontend.output_processor import OutputProcessor, RequestState
 from .frontend.prompts import Prompt
 from .model.loader import load_tokenizer
@@ -113,18 +114,19 @@ class AsyncLLM:
         with self._lock:
             self._check_usable()
 
-    # LoRA adapters are their own milestone (asyncllm/adapters); until then none can be loaded.
     def list_loras(self) -> list[str]:
         """Names of the registered LoRA adapters."""
-        return []
+        return self.engine.loras.names()
 
     async def add_lora(self, name: str, path: str) -> None:
-        """Register a PEFT adapter under ``name`` (not available in this build yet)."""
-        raise LoRAError(f"cannot load LoRA adapter {name!r}: LoRA adapters are not supported by this build yet")
+        """Load and register a PEFT adapter under ``name``; it is read in a worker thread, so
+        streams keep flowing meanwhile. Raises LoRAError if it cannot be used with this model."""
+        await asyncio.to_thread(self.engine.loras.load, name, str(path))
 
     async def remove_lora(self, name: str) -> None:
-        """Unregister an adapter."""
-        raise LoRAError(f"unknown LoRA adapter {name!r}: no adapters are loaded")
+        """Unregister an adapter. Requests already running with it finish normally (removal is
+        deferred for them); new requests naming it get LoRAError."""
+        self.engine.loras.remove(name)
 
     async def aclose(self) -> None:
         """Abort what runs, stop the engine thread and wait for it. Safe to call twice."""
@@ -149,10 +151,11 @@ class AsyncLLM:
     # ---- event-loop side --------------------------------------------------------------------------
     async def _run(self, prompt, params, lora, request_id, tools, sampling_kwargs
                    ) -> AsyncIterator[tuple[RequestState, RequestOutput]]:
-        if lora is not None:
-            raise LoRAError(f"unknown LoRA adapter {lora!r}: no adapters are loaded")
+        adapter = cached_lora(self.engine.loras, lora)
+        if adapter is None and lora is not None:  # hot load from disk, off the event loop and the engine
+            adapter = await asyncio.to_thread(load_lora, self.engine.loras, lora)
         text, request = self.inputs.process(prompt, params, request_id or f"req-{uuid.uuid4().hex}",
-                                            sampling_kwargs, tools)
+                                            sampling_kwargs, tools, lora=adapter)
         rid = request.request_id
         bridge = self._bridge_for(asyncio.get_running_loop())
         event = asyncio.Event()
@@ -161,7 +164,7 @@ class AsyncLLM:
             if rid in self._owners:
                 raise InvalidRequestError(f"request_id: {rid!r} is already running", field="request_id")
             self._owners[rid] = bridge
-        state = bridge.processor.add(rid, text, request.prompt_token_ids, request.params, request.arrival_time)
+        state = bridge.processor.add(request, text)
         bridge.events[rid] = event
         self.engine.add_request(request)
         self._thread.wake()

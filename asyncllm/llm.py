@@ -11,6 +11,7 @@ from .config import EngineConfig
 from .engine.core import EngineCore
 from .errors import InvalidRequestError
 from .frontend.input_processor import InputProcessor
+from .frontend.lora import load_lora
 from .frontend.output_processor import OutputProcessor
 from .frontend.prompts import Prompt
 from .model.loader import load_tokenizer
@@ -41,18 +42,21 @@ class LLM:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
         ``prompts`` is one prompt or a list of them (text, token ids or chat messages);
-        ``params`` is one SamplingParams for all or a list with one per prompt.
+        ``params`` is one SamplingParams for all or a list with one per prompt; ``lora`` likewise
+        one adapter (name or LoRARequest) for all, or a list with one per prompt (None: base model).
         """
-        if lora is not None:
-            raise InvalidRequestError("lora: LoRA adapters are not supported by this build yet", field="lora")
         prompts = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompts))
+        loras = lora if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"lora: {len(loras)} adapters for {len(prompts)} prompts", field="lora")
+        adapters = [load_lora(self.engine.loras, item) for item in loras]
         batch = next(_batch_ids)
-        requests = [self.inputs.process(p, sp, request_id=f"gen-{batch}-{i}") for i, (p, sp) in
-                    enumerate(zip(prompts, params_list))]  # validate all before submitting any
+        requests = [self.inputs.process(p, sp, request_id=f"gen-{batch}-{i}", lora=adapter) for i, (p, sp, adapter)
+                    in enumerate(zip(prompts, params_list, adapters))]  # validate all before submitting any
         processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence)
         for text, request in requests:
-            processor.add(request.request_id, text, request.prompt_token_ids, request.params, request.arrival_time)
+            processor.add(request, text)
             self.engine.add_request(request)
         finals: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else False
@@ -71,6 +75,16 @@ class LLM:
             finally:
                 self.engine.apply_pending()  # stop strings found in the last step free their blocks now
         return [finals[request.request_id] for _, request in requests]
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load and register a PEFT adapter under ``name`` (LoRAError if it does not fit the model)."""
+        self.engine.loras.load(name, str(path))
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.loras.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.loras.names()
 
     def stats(self) -> dict[str, int]:
         """Engine counters: running/waiting sequences, KV blocks, preemptions, prefix-cache hits."""

@@ -164,7 +164,9 @@ def test_multibyte_characters_stream_whole(async_llm):
     text = "naïve 日本語 🙂 𝄞∮Ж ok"
     ids = async_llm.tokenizer.encode(text)
     processor = OutputProcessor(async_llm.tokenizer, lambda *a: None)
-    state = processor.add("r", None, [5], SamplingParams(max_tokens=len(ids)), 0.0)
+    from asyncllm.engine.request import EngineRequest
+
+    state = processor.add(EngineRequest("r", [5], SamplingParams(max_tokens=len(ids)), len(ids)), None)
     pieces = []
     for i, token in enumerate(ids):
         last = i == len(ids) - 1
@@ -190,7 +192,7 @@ def test_slow_consumer_still_gets_the_last_delta(async_llm, sync_llm):
 
     tokens, reasons = asyncio.run(main())
     assert tokens == want.token_ids
-    assert reasons[-1] == "length" and len(reasons) >= 2
+    assert reasons[-1] == "length" and reasons.count("length") == 1  # (a slow machine may merge all into one delta)
 
 
 def test_abort_and_cancel(async_llm):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters.registry import LoRARegistry
 from ..config import EngineConfig
 from ..model.loader import check_model_dir, load_hf_config
 from ..model.runner import ModelRunner
@@ -41,6 +42,7 @@ class SequenceOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    serial: int = 0  # EngineRequest.serial: tells a reused request id's new request from the old one
 
 
 class EngineCore:
@@ -56,7 +58,8 @@ class EngineCore:
         self.vocab_size = self.runner.shape.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         budget = config.max_num_batched_tokens or _DEFAULT_TOKEN_BUDGET.get(self.runner.device.type, 2048)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, config.max_loras)
+        self.loras = LoRARegistry(self.runner.shape, config.max_lora_rank, config.max_cpu_loras)
         self.stop_checker = StopChecker(root, self.hf_config, self.max_model_len)
         self.generator = torch.Generator(self.runner.device).manual_seed(config.seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -94,6 +97,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
+            "loras_in_use": len(self.scheduler.loras_in_use()),
         }
 
     def apply_pending(self) -> list[SequenceOutput]:
@@ -157,7 +161,8 @@ class EngineCore:
         outputs = self._sample_and_update(logits, to_sample, prompt_lps)
         for seq in batch.seqs:  # prompt chunks that sampled nothing still report their logprobs
             if id(seq) in prompt_lps:
-                outputs.append(SequenceOutput(seq.request_id, seq.index, [], [], None, prompt_lps.pop(id(seq))))
+                outputs.append(SequenceOutput(seq.request_id, seq.index, [], [], None, prompt_lps.pop(id(seq)),
+                                              serial=seq.request.serial))
         return outputs
 
     def _plan_logits(self, batch: ScheduledBatch):
@@ -200,7 +205,7 @@ class EngineCore:
                 outputs.append(self._finish(seq, reason, stop_reason, [token], [result.logprobs[i]], top, lps))
             else:
                 outputs.append(SequenceOutput(seq.request_id, seq.index, [token], [result.logprobs[i]], top, lps,
-                                              num_cached_tokens=seq.num_cached_tokens))
+                                              num_cached_tokens=seq.num_cached_tokens, serial=seq.request.serial))
         return outputs
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
@@ -216,4 +221,4 @@ class EngineCore:
         if all(s.is_finished for s in seqs):
             self._sequences.pop(seq.request_id, None)
         return SequenceOutput(seq.request_id, seq.index, tokens, logprobs, top, prompt_lps, reason, stop_reason,
-                              seq.num_cached_tokens)
+                              seq.num_cached_tokens, seq.request.serial)

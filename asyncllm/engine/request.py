@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any, Hashable
 
 import torch
 
 from ..sampling_params import SamplingParams
 from .block_pool import BlockKey
+
+_serials = itertools.count(1)
 
 
 class SequenceStatus(enum.Enum):
@@ -30,6 +33,12 @@ class EngineRequest:
     max_tokens: int                     # resolved: never runs past max_model_len
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: Hashable = None         # extra prefix-cache key (the LoRA adapter identity)
+    lora: Any = None                    # LoRAWeights of the request's adapter, or None for the base model
+    serial: int = field(default_factory=lambda: next(_serials))  # unique even when request ids are reused
+
+    def __post_init__(self) -> None:
+        if self.lora is not None and self.cache_salt is None:
+            self.cache_salt = ("lora", self.lora.adapter_id)  # two adapters never share KV blocks
 
 
 class Sequence:
@@ -50,6 +59,7 @@ class Sequence:
         self.generator = generator
         self.pending_children: list[Sequence] = []  # n > 1: siblings forked after this one's prefill
         self.num_cached_tokens = 0             # prompt tokens served from the prefix cache
+        self.lora_wait_steps = 0               # steps spent waiting for a free LoRA slot
         self.prompt_logprob_pos = 0            # prompt positions whose next-token logprob was reported
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -57,6 +67,10 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def lora_id(self) -> int | None:
+        return self.request.lora.adapter_id if self.request.lora is not None else None
 
     @property
     def num_tokens(self) -> int:

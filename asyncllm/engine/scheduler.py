@@ -22,6 +22,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    loras_in_use: set[int] = field(default_factory=set)  # adapter ids of every running sequence
 
     @property
     def total_tokens(self) -> int:
@@ -31,11 +32,18 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+# A request kept out by full LoRA slots may let others with already-slotted adapters pass it, but
+# only for this many steps; then admission turns strictly first-come-first-served until it gets in.
+LORA_MAX_SKIPPED_STEPS = 16
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int = 8) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -57,7 +65,11 @@ class Scheduler:
             self._schedule_waiting(batch, budget)
         batch.block_copies = self.kv.pending_copies
         self.kv.pending_copies = []
+        batch.loras_in_use = self.loras_in_use()
         return batch
+
+    def loras_in_use(self) -> set[int]:
+        return {seq.lora_id for seq in self.running if seq.lora_id is not None}
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
         preempted = False
@@ -79,25 +91,42 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        loras = self.loras_in_use()
+        index = 0
+        while index < len(self.waiting) and budget > 0:
+            seq = self.waiting[index]
             seats = 1 + len(seq.pending_children)
             if len(self.running) + seats > self.max_num_seqs and self.running:
                 break
-            fresh = seq.num_computed_tokens == 0 and not seq.block_table
-            cached = self.kv.find_cached_prefix(seq) if fresh else []
-            num_computed = len(cached) * self.kv.block_size
-            num_new = min(seq.num_tokens - num_computed, budget)
-            if not self.kv.allocate(seq, num_new, cached):
+            if seq.lora_id is not None and seq.lora_id not in loras and len(loras) >= self.max_loras:
+                seq.lora_wait_steps += 1  # no free LoRA slot: let others pass, but not forever
+                if seq.lora_wait_steps > LORA_MAX_SKIPPED_STEPS:
+                    break
+                index += 1
+                continue
+            num_new = self._admit(seq, budget)
+            if num_new is None:
                 break
-            if fresh and seq.num_output_tokens == 0:
-                self.kv.count_prefix_query(seq)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            del self.waiting[index]
+            if seq.lora_id is not None:
+                loras.add(seq.lora_id)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Give a waiting sequence its blocks (prefix hits first); the tokens it computes, or None."""
+        fresh = seq.num_computed_tokens == 0 and not seq.block_table
+        cached = self.kv.find_cached_prefix(seq) if fresh else []
+        num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
+        if not self.kv.allocate(seq, num_new, cached):
+            return None
+        if fresh and seq.num_output_tokens == 0:
+            self.kv.count_prefix_query(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.lora_wait_steps = 0
+        self.running.append(seq)
+        return num_new
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first for recomputation."""

@@ -22,7 +22,7 @@ class InputProcessor:
 
     def process(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
                 sampling_kwargs: dict[str, Any] | None = None, tools: list | None = None,
-                cache_salt: Any = None) -> tuple[str | None, EngineRequest]:
+                cache_salt: Any = None, lora: Any = None) -> tuple[str | None, EngineRequest]:
         """Tokenize and validate; raises InvalidRequestError naming the bad field."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("params: expected a SamplingParams", field="params")
@@ -37,5 +37,5 @@ class InputProcessor:
             request_id = f"req-{next(_counter)}"
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id: expected a non-empty string", field="request_id")
-        request = EngineRequest(request_id, ids, params, max_tokens, time.monotonic(), cache_salt)
+        request = EngineRequest(request_id, ids, params, max_tokens, time.monotonic(), cache_salt, lora)
         return text, request

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine.core import SequenceOutput
+from ..engine.request import EngineRequest
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -40,6 +41,7 @@ class RequestState:
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
     finished: bool = False
+    serial: int = 0
 
     def output(self) -> RequestOutput:
         """The cumulative output so far."""
@@ -78,15 +80,17 @@ class OutputProcessor:
         self.stop_sequence = stop_sequence  # tells the engine a sequence hit a stop string
         self.requests: dict[str, RequestState] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> RequestState:
+    def add(self, request: EngineRequest, prompt: str | None) -> RequestState:
+        """Start tracking ``request`` (``prompt`` is its text, if it had one)."""
+        params, prompt_ids = request.params, request.prompt_token_ids
         seqs = [_SequenceState(
             CompletionOutput(i, logprobs=[] if params.logprobs is not None else None, cumulative_logprob=0.0),
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
             StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)) for i in range(params.n)]
-        state = RequestState(request_id, prompt, prompt_ids, params, seqs, RequestMetrics(arrival_time),
-                             [None] if params.prompt_logprobs is not None else None)
-        self.requests[request_id] = state
+        state = RequestState(request.request_id, prompt, prompt_ids, params, seqs,
+                             RequestMetrics(request.arrival_time),
+                             [None] if params.prompt_logprobs is not None else None, serial=request.serial)
+        self.requests[request.request_id] = state
         return state
 
     def process(self, outputs: list[SequenceOutput]) -> list[RequestState]:
@@ -95,8 +99,8 @@ class OutputProcessor:
         now = time.monotonic()
         for out in outputs:
             state = self.requests.get(out.request_id)
-            if state is None:
-                continue
+            if state is None or (out.serial and state.serial and out.serial != state.serial):
+                continue  # a finished request whose id was reused: its late outputs are not the new one's
             self._apply(state, state.seqs[out.index], out, now)
             touched[out.request_id] = state
         for request_id, state in touched.items():

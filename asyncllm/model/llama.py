@@ -66,8 +66,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend, lora=None) -> None:
         super().__init__()
+        self.lora = lora  # LoRASlots shared by all layers, or None
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size = shape.num_heads * shape.head_dim
@@ -85,7 +86,10 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.lora is not None and self.lora.groups:
+            self.lora.apply(self.layer_index, "qkv_proj", hidden, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -94,26 +98,38 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.view(tokens, self.q_size))
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale).view(tokens, self.q_size)
+        result = self.o_proj(out)
+        if self.lora is not None and self.lora.groups:
+            self.lora.apply(self.layer_index, "o_proj", out, result)
+        return result
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: DecoderShape) -> None:
+    def __init__(self, shape: DecoderShape, layer_index: int = 0, lora=None) -> None:
         super().__init__()
+        self.layer_index, self.lora = layer_index, lora
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        lora = self.lora if self.lora is not None and self.lora.groups else None
+        if lora:
+            lora.apply(self.layer_index, "gate_up_proj", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = nn.functional.silu(gate) * up
+        out = self.down_proj(hidden)
+        if lora:
+            lora.apply(self.layer_index, "down_proj", hidden, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend, lora=None) -> None:
         super().__init__()
-        self.self_attn = Attention(shape, layer_index, rotary, backend)
-        self.mlp = MLP(shape)
+        self.self_attn = Attention(shape, layer_index, rotary, backend, lora)
+        self.mlp = MLP(shape, layer_index, lora)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
@@ -125,12 +141,13 @@ class DecoderLayer(nn.Module):
 class LlamaFamilyModel(nn.Module):
     """The decoder stack plus LM head. ``forward`` takes a flattened batch of tokens."""
 
-    def __init__(self, shape: DecoderShape, rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, shape: DecoderShape, rotary: RotaryEmbedding, backend, lora=None) -> None:
         super().__init__()
         self.shape = shape
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(shape, i, rotary, backend) for i in range(shape.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(shape, i, rotary, backend, lora)
+                                          for i in range(shape.num_layers))
         self.model.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         if not shape.tie_word_embeddings:
             self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)

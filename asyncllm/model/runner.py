@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters.slots import LoRASlots
 from ..config import EngineConfig
 from ..engine.scheduler import ScheduledBatch
 from ..errors import ConfigError
@@ -61,8 +62,9 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device)
         inv_freq, scaling = rope_frequencies(hf_config, self.shape.head_dim)
         rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
+        self.lora = LoRASlots(self.shape, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         with torch.device("meta"):
-            model = LlamaFamilyModel(self.shape, rotary, self.backend).to(self.dtype)
+            model = LlamaFamilyModel(self.shape, rotary, self.backend, self.lora).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
         load_weights(self.model, root)
         rotary.build(self.device, self.dtype)
@@ -105,10 +107,26 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, logit_rows: list[int]) -> torch.Tensor:
         """Run one step; return logits ([len(logit_rows), vocab], float32) of the chosen flat positions."""
         self._copy_blocks(batch.block_copies)
+        self._prepare_lora(batch)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = torch.tensor(logit_rows, device=self.device, dtype=torch.long)
         return self.model.compute_logits(hidden[rows]).float()
+
+    def _prepare_lora(self, batch: ScheduledBatch) -> None:
+        """Slot the batch's adapters and group its tokens by slot (no adapters: nothing to do)."""
+        adapters = {seq.request.lora.adapter_id: seq.request.lora for seq in batch.seqs if seq.request.lora}
+        if not adapters:
+            self.lora.groups = []
+            return
+        slots = self.lora.activate(list(adapters.values()), batch.loras_in_use)
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.request.lora:
+                rows.setdefault(slots[seq.request.lora.adapter_id], []).extend(range(start, start + n))
+            start += n
+        self.lora.set_groups(rows)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -1,0 +1,148 @@
+"""Reading a PEFT LoRA checkpoint (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+Only safetensors are read (never pickle). Every problem is a LoRAError that says what is wrong:
+missing files, a rank above ``max_lora_rank``, modules the base model lacks, shapes that do not fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import LoRAError
+from ..model.llama import DecoderShape
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "layers_to_transform": "layers_to_transform"}
+_ids = itertools.count(1)
+
+
+@dataclass
+class LoRAWeights:
+    """One adapter in CPU memory: per (layer, target) an ``A`` [rank, in] and a pre-scaled ``B`` [out, rank]."""
+
+    name: str
+    path: str
+    rank: int
+    targets: tuple[str, ...]
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    adapter_id: int = field(default_factory=lambda: next(_ids))  # unique per load: the prefix-cache key
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def module_shapes(shape: DecoderShape) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every LoRA-able projection of the base model."""
+    q, kv, h, i = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.hidden_size, \
+        shape.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def load_peft_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank: int) -> LoRAWeights:
+    """Load and validate a PEFT adapter for a base model of ``shape``."""
+    root = _checked_dir(path)
+    config = _read_config(root)
+    rank = int(config.get("r", 0))
+    if not 0 < rank <= max_rank:
+        raise LoRAError(f"adapter {name!r} has rank {rank}, above max_lora_rank={max_rank}" if rank > 0
+                        else f"adapter {name!r}: invalid rank {rank}")
+    targets = _targets(name, config)
+    pairs = _read_tensors(name, root / "adapter_model.safetensors")
+    weights = _build(name, config, pairs, shape, max_rank)
+    found = tuple(sorted({t for _, t in weights}))
+    if not found:
+        raise LoRAError(f"adapter {name!r} holds no LoRA weights for {', '.join(targets)}")
+    return LoRAWeights(name, str(root), rank, found, weights)
+
+
+def _checked_dir(path: str | Path) -> Path:
+    root = Path(path).expanduser()
+    try:
+        root = root.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise LoRAError(f"LoRA adapter path {str(path)!r} does not exist") from None
+    if not root.is_dir():
+        raise LoRAError(f"LoRA adapter path {str(root)!r} is not a directory")
+    for needed in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (root / needed).is_file():
+            raise LoRAError(f"LoRA adapter {str(root)!r} lacks {needed} (only safetensors adapters are read)")
+    return root
+
+
+def _read_config(root: Path) -> dict:
+    try:
+        config = json.loads((root / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise LoRAError(f"cannot read {root / 'adapter_config.json'}: {exc}") from exc
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"{root}: peft_type {config.get('peft_type')!r} is not LORA")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise LoRAError(f"{root}: {what} adapters are not supported")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise LoRAError(f"{root}: LoRA biases are not supported")
+    return config
+
+
+def _targets(name: str, config: dict) -> list[str]:
+    raw = config.get("target_modules") or []
+    targets = [raw] if isinstance(raw, str) else list(raw)
+    unknown = [t for t in targets if t.split(".")[-1] not in TARGETS]
+    if unknown:
+        raise LoRAError(f"adapter {name!r} targets modules the base model lacks or that cannot take LoRA: "
+                        f"{', '.join(unknown)} (supported: {', '.join(TARGETS)})")
+    return targets
+
+
+def _read_tensors(name: str, file: Path) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(file, framework="pt") as reader:
+            for key in reader.keys():
+                match = _KEY.search(key)
+                if match is None:
+                    raise LoRAError(f"adapter {name!r}: unexpected tensor {key!r}")
+                layer, target, which = int(match[1]), match[2], match[3]
+                if target not in TARGETS:
+                    raise LoRAError(f"adapter {name!r}: the base model has no module {target!r} ({key})")
+                pairs.setdefault((layer, target), {})[which] = reader.get_tensor(key)
+    except LoRAError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise LoRAError(f"adapter {name!r}: cannot read {file}: {exc}") from exc
+    return pairs
+
+
+def _build(name, config, pairs, shape: DecoderShape, max_rank: int) -> dict:
+    """Check every A/B pair against the base model and fold the LoRA scale into B."""
+    shapes = module_shapes(shape)
+    alpha = float(config.get("lora_alpha", config.get("r", 1)))
+    weights = {}
+    for (layer, target), pair in sorted(pairs.items()):
+        if layer >= shape.num_layers:
+            raise LoRAError(f"adapter {name!r} has weights for layer {layer}; the base model has {shape.num_layers}")
+        if set(pair) != {"A", "B"}:
+            raise LoRAError(f"adapter {name!r}: layer {layer} {target} lacks lora_{'AB'[len(pair) % 2]}")
+        a, b = pair["A"].float(), pair["B"].float()
+        rank = a.shape[0]
+        in_features, out_features = shapes[target]
+        if a.shape != (rank, in_features) or b.shape != (out_features, rank):
+            raise LoRAError(f"adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+                            f"but the base model needs A [r, {in_features}] and B [{out_features}, r]")
+        if rank > max_rank:
+            raise LoRAError(f"adapter {name!r}: rank {rank} of layer {layer} {target} exceeds max_lora_rank={max_rank}")
+        module_alpha = float(config.get("alpha_pattern", {}).get(target, alpha))
+        scale = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        weights[(layer, target)] = (a.contiguous(), (b * scale).contiguous())
+    return weights

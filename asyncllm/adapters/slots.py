@@ -1,0 +1,111 @@
+"""Device slots holding stacked LoRA weights, and their application over a mixed batch.
+
+Each projection of each layer has a stack ``A`` [max_loras, max_rank, in] and ``B`` [max_loras,
+out, max_rank]. Every token of a step carries a slot index (-1 for the base model); tokens are
+grouped by slot once per step and each group gets ``x @ A[slot].T @ B[slot].T`` (B is pre-scaled)
+added to its output slice. Fused projections (qkv, gate/up) add each part to its own columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.llama import DecoderShape
+from .peft_loader import LoRAWeights, module_shapes
+
+# our fused module -> the PEFT targets it holds, in column order
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+class LoRASlots:
+    """``max_loras`` device slots; an adapter used by a running sequence is never evicted."""
+
+    def __init__(self, shape: DecoderShape, max_loras: int, max_rank: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.shape, self.max_loras, self.max_rank = shape, max_loras, max_rank
+        self.device, self.dtype = device, dtype
+        self.shapes = module_shapes(shape)
+        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # allocated on first use
+        self.slot_adapter: list[LoRAWeights | None] = [None] * max_loras
+        self.groups: list[tuple[int, torch.Tensor]] = []  # this step: (slot, token rows)
+        self._offsets = self._column_offsets()
+
+    def _column_offsets(self) -> dict[str, tuple[str, int, int]]:
+        offsets = {}
+        for fused, parts in FUSED_PARTS.items():
+            start = 0
+            for part in parts:
+                size = self.shapes[part][1]
+                offsets[part] = (fused, start, size)
+                start += size
+        return offsets
+
+    def slot_of(self, adapter: LoRAWeights) -> int | None:
+        for slot, held in enumerate(self.slot_adapter):
+            if held is adapter:
+                return slot
+        return None
+
+    def activate(self, needed: list[LoRAWeights], in_use: set[int]) -> dict[int, int]:
+        """Put every ``needed`` adapter in a slot, evicting only adapters not in ``in_use`` (ids).
+
+        Returns adapter_id -> slot. The scheduler guarantees the running adapters fit."""
+        mapping = {}
+        for adapter in needed:
+            slot = self.slot_of(adapter)
+            if slot is None:
+                slot = self._free_slot(in_use | {a.adapter_id for a in needed})
+                self._load(slot, adapter)
+            mapping[adapter.adapter_id] = slot
+        return mapping
+
+    def _free_slot(self, protected: set[int]) -> int:
+        for slot, held in enumerate(self.slot_adapter):
+            if held is None:
+                return slot
+        for slot, held in enumerate(self.slot_adapter):
+            if held.adapter_id not in protected:
+                return slot
+        raise RuntimeError("more adapters in use than LoRA slots (scheduler invariant broken)")
+
+    def _load(self, slot: int, adapter: LoRAWeights) -> None:
+        for layer in range(self.shape.num_layers):
+            for target in self.shapes:
+                a_stack, b_stack = self._stack(layer, target)
+                a_stack[slot].zero_()
+                b_stack[slot].zero_()
+                pair = adapter.weights.get((layer, target))
+                if pair is not None:
+                    a, b = pair
+                    a_stack[slot, :a.shape[0]].copy_(a)
+                    b_stack[slot, :, :b.shape[1]].copy_(b)
+        self.slot_adapter[slot] = adapter
+
+    def _stack(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer, target)
+        if key not in self.stacks:
+            in_features, out_features = self.shapes[target]
+            make = lambda *s: torch.zeros(s, device=self.device, dtype=self.dtype)  # noqa: E731
+            self.stacks[key] = (make(self.max_loras, self.max_rank, in_features),
+                                make(self.max_loras, out_features, self.max_rank))
+        return self.stacks[key]
+
+    def set_groups(self, rows_by_slot: dict[int, list[int]]) -> None:
+        """This step's token rows per slot (base-model tokens are in no group: nothing to add)."""
+        self.groups = [(slot, torch.tensor(rows, device=self.device)) for slot, rows in sorted(rows_by_slot.items())]
+
+    def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add every group's LoRA delta for ``fused`` of ``layer`` into ``y`` (in place)."""
+        for slot, rows in self.groups:
+            adapter = self.slot_adapter[slot]
+            xs = x.index_select(0, rows)
+            for part in FUSED_PARTS[fused]:
+                pair = adapter.weights.get((layer, part))
+                if pair is None:
+                    continue
+                rank = pair[0].shape[0]
+                a_stack, b_stack = self.stacks[(layer, part)]
+                delta = (xs @ a_stack[slot, :rank].T) @ b_stack[slot, :, :rank].T
+                _, start, size = self._offsets[part]
+                y[:, start:start + size].index_add_(0, rows, delta.to(y.dtype))

@@ -62,7 +62,7 @@ def test_demo_runs_and_reports(model_dirs, capsys):
 
 
 def test_server_examples_starlette_mount_and_openai_client(model_dirs, capsys):
-    from uvicorn_thread import serve_in_thread
+    from server_helpers import serve_in_thread
 
     llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32")
     try:

@@ -278,3 +278,31 @@ def test_two_apps_keep_separate_registries(llm):
     assert metric(first, "asyncllm:generation_tokens_total") == 3
     assert metric(second, "asyncllm:generation_tokens_total") == 0
     assert "model_name=\"two\"" in request(second, "GET", "/metrics").text
+
+
+def test_lora_adapter_lifecycle_over_http(model_dirs, tmp_path):
+    pytest.importorskip("peft")
+    from server_helpers import build_test_adapter
+
+    base = model_dirs["llama"]
+    build_test_adapter(base, tmp_path / "sql")
+    llm = AsyncLLM(str(base), dtype="float32")
+    try:
+        app = create_app(llm, model_name="base")
+        loaded = request(app, "POST", "/v1/load_lora_adapter", json={"lora_name": "sql",
+                                                                     "lora_path": str(tmp_path / "sql")})
+        assert loaded.status_code == 200, loaded.text
+        cards = request(app, "GET", "/v1/models").json()["data"]
+        assert [(c["id"], c["parent"]) for c in cards] == [("base", None), ("sql", "base")]
+        assert metric(app, "asyncllm:lora_adapters_loaded") == 1
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0}
+        via_base = request(app, "POST", "/v1/completions", json=body).json()
+        via_sql = request(app, "POST", "/v1/completions", json={**body, "model": "sql"}).json()
+        assert via_sql["model"] == "sql"
+        assert via_sql["choices"][0]["logprobs"]["tokens"] != via_base["choices"][0]["logprobs"]["tokens"]
+        assert request(app, "POST", "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+        assert [c["id"] for c in request(app, "GET", "/v1/models").json()["data"]] == ["base"]
+        assert_error(request(app, "POST", "/v1/completions", json={**body, "model": "sql"}), 404, "model")
+    finally:
+        llm.close()

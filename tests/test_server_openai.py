@@ -17,7 +17,7 @@ import openai
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
-from uvicorn_thread import serve_in_thread
+from server_helpers import build_test_adapter, serve_in_thread
 
 from asyncllm import AsyncLLM
 from asyncllm.server import create_app
@@ -198,11 +198,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_command_shuts_down_gracefully_on_sigterm(model_dirs):
+def test_serve_command_with_lora_and_graceful_sigterm(model_dirs, tmp_path):
+    pytest.importorskip("peft")
+    adapter = build_test_adapter(model_dirs["llama"], tmp_path / "sql")
     port = _free_port()
     env = {**os.environ, "ASYNCLLM_API_KEY": "k"}
     proc = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "serve", str(model_dirs["llama"]),
-                             "--port", str(port), "--dtype", "float32", "--model-name", "served"],
+                             "--port", str(port), "--dtype", "float32", "--model-name", "served",
+                             "--lora", f"sql={adapter}"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -213,8 +216,12 @@ def test_serve_command_shuts_down_gracefully_on_sigterm(model_dirs):
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k"}).json()
-        assert models["data"][0]["id"] == "served"
+        auth = {"Authorization": "Bearer k"}
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth).json()
+        assert [m["id"] for m in models["data"]] == ["served", "sql"]
+        completion = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers=auth,
+                                json={"model": "sql", "prompt": "Hi", "max_tokens": 3}).json()
+        assert completion["model"] == "sql" and completion["usage"]["completion_tokens"] <= 3
         proc.send_signal(signal.SIGTERM)  # SIGINT takes the same path (uvicorn's handler)
         output, _ = proc.communicate(timeout=15)
     finally:

@@ -1,4 +1,4 @@
-"""Serve an ASGI app with uvicorn on 127.0.0.1 (a free port) in a background thread, for tests."""
+"""Helpers of the server tests: uvicorn in a background thread, a small PEFT adapter."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import contextlib
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 import uvicorn
@@ -33,3 +34,21 @@ def serve_in_thread(app, timeout: float = 10.0) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout)
         sock.close()
+
+
+def build_test_adapter(base_dir: Path, out_dir: Path, seed: int = 3) -> Path:
+    """A rank-4 PEFT LoRA adapter (q/v) for ``base_dir`` whose greedy text differs from the base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from checkpoints import load_reference_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(load_reference_model(base_dir), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name:
+                param.mul_(3.0)  # large enough to change greedy tokens
+    model.save_pretrained(out_dir)
+    return out_dir

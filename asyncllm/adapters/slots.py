@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.ops import use_triton
 from ..model.llama import DecoderShape
 from .peft_loader import LoRAWeights, module_shapes
 
@@ -29,6 +30,7 @@ class LoRASlots:
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # allocated on first use
         self.slot_adapter: list[LoRAWeights | None] = [None] * max_loras
         self.groups: list[tuple[int, torch.Tensor]] = []  # this step: (slot, token rows)
+        self.segments: tuple = ()                          # the same, flattened for the kernels
         self._offsets = self._column_offsets()
 
     def _column_offsets(self) -> dict[str, tuple[str, int, int]]:
@@ -94,9 +96,21 @@ class LoRASlots:
     def set_groups(self, rows_by_slot: dict[int, list[int]]) -> None:
         """This step's token rows per slot (base-model tokens are in no group: nothing to add)."""
         self.groups = [(slot, torch.tensor(rows, device=self.device)) for slot, rows in sorted(rows_by_slot.items())]
+        ordered = sorted(rows_by_slot.items())
+        starts = [0]
+        for _, rows in ordered:
+            starts.append(starts[-1] + len(rows))
+        # the same grouping, flattened segment by segment, for the Triton kernels
+        self.segments = (torch.tensor([r for _, rows in ordered for r in rows], device=self.device),
+                         torch.tensor(starts, device=self.device),
+                         torch.tensor([slot for slot, _ in ordered], device=self.device),
+                         max((len(rows) for _, rows in ordered), default=0))
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add every group's LoRA delta for ``fused`` of ``layer`` into ``y`` (in place)."""
+        if use_triton(x):
+            self._apply_kernels(layer, fused, x, y)
+            return
         for slot, rows in self.groups:
             adapter = self.slot_adapter[slot]
             xs = x.index_select(0, rows)
@@ -109,3 +123,14 @@ class LoRASlots:
                 delta = (xs @ a_stack[slot, :rank].T) @ b_stack[slot, :, :rank].T
                 _, start, size = self._offsets[part]
                 y[:, start:start + size].index_add_(0, rows, delta.to(y.dtype))
+
+    def _apply_kernels(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The same sum with the segmented Triton kernels (one shrink and one expand per part)."""
+        from ..kernels.lora_kernels import lora_expand, lora_shrink
+
+        rows, starts, slots, longest = self.segments
+        x = x.contiguous()
+        for part in FUSED_PARTS[fused]:
+            a_stack, b_stack = self.stacks[(layer, part)]
+            z = lora_shrink(x, rows, starts, slots, a_stack, longest)
+            lora_expand(z, y, self._offsets[part][1], rows, starts, slots, b_stack, longest)

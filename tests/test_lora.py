@@ -170,3 +170,18 @@ def test_bad_adapters_raise_lora_error_and_engine_keeps_serving(lora_setup, tmp_
     llm.remove_lora("qv4")
     with pytest.raises(LoRAError):
         llm.generate([[5, 6]], GREEDY, lora="qv4")
+
+
+def test_multi_lora_example(lora_setup):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "multi_lora.py"
+    spec = importlib.util.spec_from_file_location("multi_lora", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    adapters = {name: str(lora_setup["paths"][name]) for name in ("qv4", "mlp2")}
+    results = asyncio.run(example.run(lora_setup["base_dir"], adapters, max_tokens=5))
+    assert len(results) == 3 * len(example.PROMPTS)
+    texts = {name: [results[(name, p)].outputs[0].text for p in example.PROMPTS] for name in ("base", "qv4", "mlp2")}
+    assert texts["base"] != texts["qv4"] and texts["base"] != texts["mlp2"]

@@ -29,6 +29,7 @@ class EngineConfig:
     max_cpu_loras: int = 32
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
+    enable_cuda_graphs: bool = True    # CUDA + Triton only: replay decode steps as CUDA graphs (docs/kernels.md)
     seed: int = 0
 
     @classmethod
@@ -54,5 +55,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.enable_cuda_graphs, bool):
+            raise ConfigError(f"enable_cuda_graphs must be True or False, got {self.enable_cuda_graphs!r}")
         if self.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size > 1 is not supported yet")

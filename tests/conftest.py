@@ -33,6 +33,12 @@ if _TESTS_DIR not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels run in triton's CPU interpreter. Triton reads the variable when
+# a kernel module is imported, which asyncllm does lazily, so setting it here is early enough; with
+# CUDA the real kernels run (tests/kernel_cases.py picks the device to match).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from checkpoints import KINDS, build_checkpoint, build_tokenizer  # noqa: E402
 
 # The test models are tiny: intra-op threading only adds overhead (and is

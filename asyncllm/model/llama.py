@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..kernels.metadata import AttentionMetadata
+from ..kernels.ops import add_rms_norm, rms_norm, silu_and_mul
 from .rotary import RotaryEmbedding
 
 
@@ -59,10 +60,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, norm(residual + x)), fused into one kernel where Triton ops are on."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -118,7 +120,7 @@ class MLP(nn.Module):
         if lora:
             lora.apply(self.layer_index, "gate_up_proj", x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = nn.functional.silu(gate) * up
+        hidden = silu_and_mul(gate, up)
         out = self.down_proj(hidden)
         if lora:
             lora.apply(self.layer_index, "down_proj", hidden, out)
@@ -134,8 +136,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
     def forward(self, positions, hidden, meta, kv_cache) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(positions, self.input_layernorm(hidden), meta, kv_cache)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(attn, hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaFamilyModel(nn.Module):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..kernels.ops import rotary_embedding
 
 
 def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -30,11 +31,6 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies rope to q/k of shape [tokens, heads, head_dim] at given positions."""
 
@@ -52,6 +48,4 @@ class RotaryEmbedding(nn.Module):
         self.sin = (emb.sin() * self.scaling).to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return rotary_embedding(positions, q, k, self.cos, self.sin)

@@ -12,7 +12,10 @@ from ..config import EngineConfig
 from ..engine.scheduler import ScheduledBatch
 from ..errors import ConfigError
 from ..kernels.metadata import AttentionMetadata
+from ..kernels.ops import triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
+from ..kernels.triton_utils import check_triton_device, triton_available
+from .cuda_graphs import DecodeGraphs
 from .llama import DecoderShape, LlamaFamilyModel
 from .loader import load_weights
 from .rotary import RotaryEmbedding, rope_frequencies
@@ -45,10 +48,17 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if stored == torch.float32 else stored
 
 
-def select_backend(name: str, device: torch.device):
-    if name == "triton":
-        raise ConfigError("attention_backend='triton' is not available in this build yet; use 'torch' or 'auto'")
-    return TorchAttentionBackend()
+def select_backend(name: str, device: torch.device, shape: DecoderShape):
+    """``auto``: the Triton kernels on CUDA (when triton is installed), the torch reference elsewhere;
+    ``triton`` forces the kernels (on CPU only under TRITON_INTERPRET=1); ``torch`` forces the reference."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    check_triton_device(device)
+    from ..kernels.triton_attention import TritonAttentionBackend  # imports triton: only when asked for
+
+    return TritonAttentionBackend(shape.num_heads, shape.num_kv_heads)
 
 
 class ModelRunner:
@@ -59,7 +69,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.block_size = config.block_size
         self.shape = DecoderShape.from_hf_config(hf_config)
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.shape)
         inv_freq, scaling = rope_frequencies(hf_config, self.shape.head_dim)
         rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
         self.lora = LoRASlots(self.shape, config.max_loras, config.max_lora_rank, self.device, self.dtype)
@@ -70,6 +80,7 @@ class ModelRunner:
         rotary.build(self.device, self.dtype)
         self.num_blocks = self._count_blocks(config, max_model_len)
         self.kv_caches = self._allocate_kv_caches()
+        self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
 
     @property
     def bytes_per_block(self) -> int:
@@ -109,7 +120,7 @@ class ModelRunner:
         self._copy_blocks(batch.block_copies)
         self._prepare_lora(batch)
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        hidden = self._forward(input_ids, positions, meta)
         rows = torch.tensor(logit_rows, device=self.device, dtype=torch.long)
         return self.model.compute_logits(hidden[rows]).float()
 
@@ -127,6 +138,26 @@ class ModelRunner:
                 rows.setdefault(slots[seq.request.lora.adapter_id], []).extend(range(start, start + n))
             start += n
         self.lora.set_groups(rows)
+
+    @property
+    def uses_triton(self) -> bool:
+        return self.backend.name == "triton"
+
+    def _capture_cuda_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
+        if not (config.enable_cuda_graphs and self.device.type == "cuda" and self.uses_triton):
+            return None
+        with triton_ops(True):
+            graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_model_len,
+                                  self.block_size)
+            return graphs.capture()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder over the flattened batch: a CUDA graph replay for a decode-only step that fits
+        one, else eagerly. Steps with LoRA adapters run eagerly: graphs are captured without them."""
+        with triton_ops(self.uses_triton):
+            if self.cuda_graphs is not None and not self.lora.groups and self.cuda_graphs.fits(meta):
+                return self.cuda_graphs.replay(input_ids, positions, meta)
+            return self.model(input_ids, positions, meta, self.kv_caches)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

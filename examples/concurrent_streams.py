@@ -13,6 +13,7 @@ import asyncio
 import random
 
 from asyncllm import AsyncLLM
+from asyncllm.toy import model_or_demo
 
 
 async def consume(llm: AsyncLLM, i: int, rng: random.Random) -> str:
@@ -71,10 +72,7 @@ def main() -> None:
     parser.add_argument("--model", help="local checkpoint (default: the embedded demo model)")
     parser.add_argument("--streams", type=int, default=50)
     args = parser.parse_args()
-    if args.model is None:
-        from asyncllm.toy import build_demo_model
-
-        args.model = str(build_demo_model())
+    args.model = model_or_demo(args.model)
     asyncio.run(run(args.model, args.streams))
 
 

@@ -15,6 +15,7 @@ import asyncio
 import tempfile
 
 from asyncllm import AsyncLLM, LoRARequest
+from asyncllm.toy import model_or_demo
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "My friend reads the book"]
 
@@ -60,10 +61,7 @@ def main() -> None:
     parser.add_argument("--model", help="local base checkpoint (default: the embedded demo model)")
     parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH")
     args = parser.parse_args()
-    if args.model is None:
-        from asyncllm.toy import build_demo_model
-
-        args.model = str(build_demo_model())
+    args.model = model_or_demo(args.model)
     adapters = dict(item.split("=", 1) for item in args.lora)
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(run(args.model, adapters or make_demo_adapters(args.model, tmp)))

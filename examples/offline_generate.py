@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.toy import model_or_demo
 
 
 def run(model: str) -> list:
@@ -27,10 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="local checkpoint (default: the embedded demo model)")
     args = parser.parse_args()
-    if args.model is None:
-        from asyncllm.toy import build_demo_model
-
-        args.model = str(build_demo_model())
+    args.model = model_or_demo(args.model)
     run(args.model)
 
 

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from asyncllm import AsyncLLM
 from asyncllm.errors import InvalidRequestError
+from asyncllm.toy import model_or_demo
 
 
 def build_app(llm: AsyncLLM, *, owns_llm: bool = False) -> Starlette:
@@ -63,10 +64,7 @@ def main() -> None:
     parser.add_argument("--model", help="local checkpoint (default: the embedded demo model)")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
-    if args.model is None:
-        from asyncllm.toy import build_demo_model
-
-        args.model = str(build_demo_model())
+    args.model = model_or_demo(args.model)
     uvicorn.run(build_app(AsyncLLM(args.model), owns_llm=True), host="127.0.0.1", port=args.port)
 
 

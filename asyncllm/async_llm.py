@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .engine.core import EngineCore, SequenceOutput
 from .engine.engine_thread import EngineThread
 from .errors import EngineDeadError, InvalidRequestError, LoRAError
-from .frontend.input_processor import InputProcessor
+from .frontend.input_processor import make_input_processor
 from .frontend.lora import cached_lora, load_lora
 from .frontend.output_processor import OutputProcessor, RequestState
 from .frontend.prompts import Prompt
@@ -56,11 +56,13 @@ class AsyncLLM:
     ``async with AsyncLLM(path) as llm: async for piece in llm.stream("Hello", max_tokens=32): ...``
     """
 
-    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str, *, tool_parser: str | None = None, **engine_kwargs: Any) -> None:
+        """``tool_parser``: the tool-call format ("hermes", "llama3_json", "mistral"); by default the
+        model family's (see docs/tools.md). Other keywords configure the engine (shared/API.md)."""
         self.config = EngineConfig.from_kwargs(model, engine_kwargs)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.engine.model_dir)
-        self.inputs = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len)
+        self.inputs = make_input_processor(self.engine, self.tokenizer, tool_parser)
         self._lock = threading.Lock()
         self._bridges: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._owners: dict[str, _LoopBridge] = {}   # live request id -> the loop that streams it
@@ -72,31 +74,45 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def tool_parser(self) -> str:
+        """The tool-call format of this model ("hermes", "llama3_json" or "mistral")."""
+        return self.inputs.tool_parser
+
     # ---- public API -----------------------------------------------------------------------------
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, lora: Any = None,
-                     request_id: str | None = None, tools: list | None = None,
-                     **sampling_kwargs: Any) -> AsyncIterator[str]:
+                     request_id: str | None = None, tools: list | None = None, tool_choice: Any = None,
+                     parallel_tool_calls: bool | None = None, **sampling_kwargs: Any) -> AsyncIterator[str]:
         """Yield the newly decoded text of the request as it is generated (never cumulative)."""
         n = sampling_kwargs.get("n", params.n if params is not None else 1)
         if n != 1:
             raise InvalidRequestError("n: stream() yields one text; use stream_outputs() for n > 1", field="n")
-        async for _, delta in self._run(prompt, params, lora, request_id, tools, sampling_kwargs):
+        tool_args = (tools, tool_choice, parallel_tool_calls)
+        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs):
             if delta.outputs[0].text:
                 yield delta.outputs[0].text
 
     async def stream_outputs(self, prompt: Prompt, params: SamplingParams | None = None, *, lora: Any = None,
-                             request_id: str | None = None, tools: list | None = None,
+                             request_id: str | None = None, tools: list | None = None, tool_choice: Any = None,
+                             parallel_tool_calls: bool | None = None,
                              **sampling_kwargs: Any) -> AsyncIterator[RequestOutput]:
-        """Yield RequestOutputs holding only what is new since the previous one."""
-        async for _, delta in self._run(prompt, params, lora, request_id, tools, sampling_kwargs):
+        """Yield RequestOutputs holding only what is new since the previous one.
+
+        With ``tools`` (chat prompts only), ``text`` is the content and ``tool_calls`` the call
+        fragments (see docs/tools.md); ``tool_choice`` is "none", "auto", "required" or
+        ``{"type": "function", "function": {"name": ...}}``."""
+        tool_args = (tools, tool_choice, parallel_tool_calls)
+        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs):
             yield delta
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, lora: Any = None,
-                       request_id: str | None = None, tools: list | None = None,
-                       **sampling_kwargs: Any) -> RequestOutput:
-        """Run the request to completion and return its whole output."""
+                       request_id: str | None = None, tools: list | None = None, tool_choice: Any = None,
+                       parallel_tool_calls: bool | None = None, **sampling_kwargs: Any) -> RequestOutput:
+        """Run the request to completion and return its whole output (with ``tools``: the parsed
+        ``tool_calls`` and finish_reason "tool_calls" when the model called any)."""
+        tool_args = (tools, tool_choice, parallel_tool_calls)
         state = None
-        async for state, _ in self._run(prompt, params, lora, request_id, tools, sampling_kwargs):
+        async for state, _ in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs):
             pass
         return state.output()
 
@@ -149,13 +165,16 @@ class AsyncLLM:
         await self.aclose()
 
     # ---- event-loop side --------------------------------------------------------------------------
-    async def _run(self, prompt, params, lora, request_id, tools, sampling_kwargs
+    async def _run(self, prompt, params, lora, request_id, tool_args, sampling_kwargs
                    ) -> AsyncIterator[tuple[RequestState, RequestOutput]]:
+        """``tool_args``: (tools, tool_choice, parallel_tool_calls) as the public methods got them."""
         adapter = cached_lora(self.engine.loras, lora)
         if adapter is None and lora is not None:  # hot load from disk, off the event loop and the engine
             adapter = await asyncio.to_thread(load_lora, self.engine.loras, lora)
+        tools, tool_choice, parallel_tool_calls = tool_args
         text, request = self.inputs.process(prompt, params, request_id or f"req-{uuid.uuid4().hex}",
-                                            sampling_kwargs, tools, lora=adapter)
+                                            sampling_kwargs, tools, lora=adapter, tool_choice=tool_choice,
+                                            parallel_tool_calls=parallel_tool_calls)
         rid = request.request_id
         bridge = self._bridge_for(asyncio.get_running_loop())
         event = asyncio.Event()

@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--tool-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
+                       help="tool-call format (default: the model family's; docs/tools.md)")
     return parser
 
 

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from .config import EngineConfig
 from .engine.core import EngineCore
 from .errors import InvalidRequestError
-from .frontend.input_processor import InputProcessor
+from .frontend.input_processor import make_input_processor
 from .frontend.lora import load_lora
 from .frontend.output_processor import OutputProcessor
 from .frontend.prompts import Prompt
@@ -27,23 +27,25 @@ class LLM:
     ``LLM("path/to/checkpoint", dtype="float32").generate(["Hello"], SamplingParams(max_tokens=8))``
     """
 
-    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str, *, tool_parser: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, engine_kwargs)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.engine.model_dir)
-        self.inputs = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len)
+        self.inputs = make_input_processor(self.engine, self.tokenizer, tool_parser)
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 *, lora: Any = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 *, lora: Any = None, use_tqdm: bool | None = None, tools: list | None = None,
+                 tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
         ``prompts`` is one prompt or a list of them (text, token ids or chat messages);
         ``params`` is one SamplingParams for all or a list with one per prompt; ``lora`` likewise
         one adapter (name or LoRARequest) for all, or a list with one per prompt (None: base model).
+        ``tools``/``tool_choice``/``parallel_tool_calls`` apply to every (chat) prompt (docs/tools.md).
         """
         prompts = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompts))
@@ -52,8 +54,9 @@ class LLM:
             raise InvalidRequestError(f"lora: {len(loras)} adapters for {len(prompts)} prompts", field="lora")
         adapters = [load_lora(self.engine.loras, item) for item in loras]
         batch = next(_batch_ids)
-        requests = [self.inputs.process(p, sp, request_id=f"gen-{batch}-{i}", lora=adapter) for i, (p, sp, adapter)
-                    in enumerate(zip(prompts, params_list, adapters))]  # validate all before submitting any
+        tool_args = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
+        requests = [self.inputs.process(p, sp, request_id=f"gen-{batch}-{i}", lora=adapter, **tool_args)
+                    for i, (p, sp, adapter) in enumerate(zip(prompts, params_list, adapters))]  # validate all first
         processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence)
         for text, request in requests:
             processor.add(request, text)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .tools.calls import ToolCall
+
 
 @dataclass
 class CompletionOutput:
@@ -16,6 +18,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None  # None, "stop", "length", "abort" or "tool_calls"
     stop_reason: str | int | None = None
+    # with tools: the calls parsed out of the output (``text`` is then the content around them);
+    # in a streamed delta, the new fragments (see asyncllm.tools.ToolCall)
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:

@@ -83,9 +83,7 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"expected a boolean, got {getattr(self, name)!r}")
-        for name in _STRUCTURED_FIELDS:
-            if getattr(self, name) is not None:
-                _fail(name, "structured output is not supported by this build yet")
+        self._validate_structured()
         return self
 
     def _validate_counts(self) -> None:
@@ -159,6 +157,28 @@ class SamplingParams:
                 _fail("logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}")
             converted[token_id] = float(bias)
         self.logit_bias = converted
+
+    def _validate_structured(self) -> None:
+        """Types and exclusivity only: the grammar engine compiles (and rejects) the content."""
+        given = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            _fail(given[1], f"only one of json_schema, regex, choice and grammar may be set (got {', '.join(given)})")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+            _fail("json_schema", "expected a JSON schema (a dict or a JSON string)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(name, "expected a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice \
+                    or not all(isinstance(c, str) and c for c in self.choice):
+                _fail("choice", "expected a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def structured(self) -> bool:
+        """True when the output is constrained (json_schema, regex, choice or grammar)."""
+        return any(getattr(self, name) is not None for name in _STRUCTURED_FIELDS)
 
 
 def _check_token(name: str, token: Any, vocab_size: int | None) -> None:

@@ -152,8 +152,8 @@ def test_completions_token_id_prompts(app, llm):
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "top_p": 0}, 400, "top_p"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "no-such-model"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),

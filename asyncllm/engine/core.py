@@ -128,6 +128,8 @@ class EngineCore:
                 self.scheduler.finish(stale)
         seqs = [Sequence(request, i, self._generator_for(request, i)) for i in range(request.params.n)]
         leader = seqs[0]
+        if request.grammar is not None:  # children clone the leader's state when they fork
+            leader.grammar = request.grammar.new_state()
         for child in seqs[1:]:
             child.status = SequenceStatus.AWAITING_FORK
         leader.pending_children = seqs[1:]
@@ -157,6 +159,8 @@ class EngineCore:
             if sample_row is not None:
                 to_sample.append((seq, sample_row))
                 for child in self.scheduler.start_children(seq):
+                    if seq.grammar is not None:  # forked before the leader samples: same (empty) progress
+                        child.grammar = seq.grammar.fork()
                     to_sample.append((child, sample_row))
         outputs = self._sample_and_update(logits, to_sample, prompt_lps)
         for seq in batch.seqs:  # prompt chunks that sampled nothing still report their logprobs
@@ -200,6 +204,8 @@ class EngineCore:
             seq.token_ids.append(token)
             top = [result.top_logprobs[i]] if result.top_logprobs[i] is not None else None
             reason, stop_reason = self.stop_checker.check(seq, token)
+            if reason is None and seq.grammar is not None:
+                reason = self._advance_grammar(seq, token)
             lps = prompt_lps.pop(id(seq), None)
             if reason is not None:
                 outputs.append(self._finish(seq, reason, stop_reason, [token], [result.logprobs[i]], top, lps))
@@ -211,7 +217,18 @@ class EngineCore:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         blocked = self.stop_checker.min_tokens_blocked(seq.params) if seq.params.min_tokens else []
         return SamplingRow(seq.params, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
-                           seq.generator, blocked)
+                           seq.generator, blocked, seq.grammar)
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> str | None:
+        """Feed the sampled token to the sequence's matcher (once: recomputation never replays it);
+        "stop" once the grammar is complete. A rejected token (the grammar engine's own failure)
+        ends the sequence rather than the engine."""
+        if not seq.grammar.accept(token):
+            logger.warning("request %s: grammar rejected token %d (%s); finishing the sequence",
+                           seq.request_id, token, seq.grammar.error)
+            return "stop"
+        return "stop" if seq.grammar.is_finished else None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, tokens: list[int], logprobs: list[float],
                 top=None, prompt_lps=None) -> SequenceOutput:

@@ -35,6 +35,8 @@ class EngineRequest:
     cache_salt: Hashable = None         # extra prefix-cache key (the LoRA adapter identity)
     lora: Any = None                    # LoRAWeights of the request's adapter, or None for the base model
     serial: int = field(default_factory=lambda: next(_serials))  # unique even when request ids are reused
+    grammar: Any = None                 # structured output: a compiled GrammarTemplate (asyncllm.structured)
+    tool_context: Any = None            # the front's tool-calling state (parser choice); the engine ignores it
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.cache_salt is None:
@@ -63,6 +65,7 @@ class Sequence:
         self.prompt_logprob_pos = 0            # prompt positions whose next-token logprob was reported
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.grammar = None                    # GrammarState: this sequence's own matcher, if constrained
 
     @property
     def request_id(self) -> str:

@@ -4,32 +4,49 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from ..engine.request import EngineRequest
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
+from ..structured import GrammarCompiler, GrammarTemplate
+from ..tools import ToolContext, build_tool_context, parser_class
 from .prompts import Prompt, check_prompt_length, tokenize_prompt
 
 _counter = itertools.count()
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+    """Front-side validation: parameters, prompt, tools, and the grammar a request needs.
+
+    Grammars (structured output, forced tool calls) are compiled here, at submission, so a bad
+    schema, regex or grammar is an InvalidRequestError naming the field and never reaches the
+    engine; compiled grammars are cached (``self.grammars``).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Iterable[int] = (),
+                 tool_parser: str = "hermes") -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.tool_parser = parser_class(tool_parser).name
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
 
     def process(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
                 sampling_kwargs: dict[str, Any] | None = None, tools: list | None = None,
-                cache_salt: Any = None, lora: Any = None) -> tuple[str | None, EngineRequest]:
+                cache_salt: Any = None, lora: Any = None, tool_choice: Any = None,
+                parallel_tool_calls: bool | None = None) -> tuple[str | None, EngineRequest]:
         """Tokenize and validate; raises InvalidRequestError naming the bad field."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("params: expected a SamplingParams", field="params")
         # always a private copy: validation normalises fields and the caller may reuse its object
         params = SamplingParams.from_kwargs(params, sampling_kwargs or {})
         params.validate(self.vocab_size)
-        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, tools)
+        tool_context = build_tool_context(tools, tool_choice, parallel_tool_calls, self.tool_parser)
+        if tool_context is not None and not _is_chat(prompt):
+            raise InvalidRequestError("tools: only allowed with a chat (list of messages) prompt", field="tools")
+        grammar = self._grammar(params, tool_context)
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, tools, self.tool_parser)
         check_prompt_length(len(ids), self.max_model_len)
         room = self.max_model_len - len(ids)
         max_tokens = min(params.max_tokens or room, room)
@@ -37,5 +54,36 @@ class InputProcessor:
             request_id = f"req-{next(_counter)}"
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id: expected a non-empty string", field="request_id")
-        request = EngineRequest(request_id, ids, params, max_tokens, time.monotonic(), cache_salt, lora)
+        request = EngineRequest(request_id, ids, params, max_tokens, time.monotonic(), cache_salt, lora,
+                                grammar=grammar, tool_context=tool_context)
         return text, request
+
+    def _grammar(self, params: SamplingParams, tools: ToolContext | None) -> GrammarTemplate | None:
+        """The request's grammar: its structured-output fields, or the one that forces a tool call."""
+        if tools is None or not tools.forces_call:
+            return self.grammars.compile_params(params) if params.structured else None
+        if params.structured:
+            raise InvalidRequestError("tool_choice: 'required' or a named function cannot be combined with "
+                                      "json_schema, regex, choice or grammar", field="tool_choice")
+        fmt = parser_class(tools.parser)
+        parallel = tools.parallel and tools.choice == "required"
+        lark = fmt.forced_grammar(tools.forced_functions(), parallel, self._special_token_id)
+        return self.grammars.compile_lark(lark, "tools")
+
+    def _special_token_id(self, text: str) -> int | None:
+        """The id of an added (e.g. special) token spelled ``text``, if the tokenizer has one."""
+        added = getattr(self.tokenizer, "added_tokens_encoder", None) or {}
+        return added.get(text)
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def make_input_processor(engine, tokenizer, tool_parser: str | None = None) -> InputProcessor:
+    """The InputProcessor of a front over ``engine``: EOS ids for grammars, the tool-call format."""
+    from ..tools import detect_tool_parser
+
+    parser = tool_parser or detect_tool_parser(tokenizer, getattr(engine.hf_config, "model_type", None))
+    return InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,
+                          eos_token_ids=engine.stop_checker.eos_token_ids, tool_parser=parser)

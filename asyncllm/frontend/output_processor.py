@@ -14,7 +14,23 @@ from ..engine.core import SequenceOutput
 from ..engine.request import EngineRequest
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
+from ..tools import ToolCall, ToolParser, compact_fragments, parser_class
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@dataclass
+class _ToolStream:
+    """A sequence's tool-call parsing: raw text in, content and call fragments out.
+
+    The parser is fed only text that no stop string can still remove (stop strings are matched
+    on the raw text first), so nothing it hands out is ever taken back.
+    """
+
+    parser: ToolParser
+    marker_ids: dict[int, str]  # special tokens the format needs as text (the detokenizer skips them)
+    raw: str = ""
+    fed: int = 0
+    pending: list[ToolCall] = field(default_factory=list)  # fragments not yet handed out
 
 
 @dataclass
@@ -26,6 +42,7 @@ class _SequenceState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     sent_finish: bool = False
+    tools: _ToolStream | None = None
 
 
 @dataclass
@@ -53,12 +70,12 @@ class RequestState:
         outputs = []
         for s in self.seqs:
             c = s.completion
-            end = len(c.text) if c.finished else max(s.sent_chars, len(c.text) - s.stops.hold_back)
+            end = len(c.text) if c.finished or s.tools else max(s.sent_chars, len(c.text) - s.stops.hold_back)
             finish = c.finish_reason if not s.sent_finish else None  # reported once, with its last text
             delta = CompletionOutput(
                 c.index, c.text[s.sent_chars:end], c.token_ids[s.sent_tokens:],
                 c.logprobs[s.sent_logprobs:] if c.logprobs is not None else None,
-                c.cumulative_logprob, finish, c.stop_reason if finish else None)
+                c.cumulative_logprob, finish, c.stop_reason if finish else None, _take_calls(s))
             s.sent_chars, s.sent_tokens, s.sent_finish = end, len(c.token_ids), c.finished
             s.sent_logprobs = len(c.logprobs) if c.logprobs is not None else 0
             outputs.append(delta)
@@ -72,6 +89,13 @@ class RequestState:
         return len(self.prompt_logprobs) >= len(self.prompt_token_ids)
 
 
+def _take_calls(seq: _SequenceState) -> list[ToolCall] | None:
+    if seq.tools is None or not seq.tools.pending:
+        return None
+    fragments, seq.tools.pending = compact_fragments(seq.tools.pending), []
+    return fragments
+
+
 class OutputProcessor:
     """Keeps a RequestState per live request and folds engine outputs into them."""
 
@@ -79,6 +103,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stop_sequence = stop_sequence  # tells the engine a sequence hit a stop string
         self.requests: dict[str, RequestState] = {}
+        self._marker_ids: dict[type, dict[int, str]] = {}
 
     def add(self, request: EngineRequest, prompt: str | None) -> RequestState:
         """Start tracking ``request`` (``prompt`` is its text, if it had one)."""
@@ -87,6 +112,11 @@ class OutputProcessor:
             CompletionOutput(i, logprobs=[] if params.logprobs is not None else None, cumulative_logprob=0.0),
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
             StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)) for i in range(params.n)]
+        tools = getattr(request, "tool_context", None)
+        if tools is not None and tools.parses_calls:
+            fmt = parser_class(tools.parser)
+            for seq in seqs:
+                seq.tools = _ToolStream(fmt(), self._markers(fmt))
         state = RequestState(request.request_id, prompt, prompt_ids, params, seqs,
                              RequestMetrics(request.arrival_time),
                              [None] if params.prompt_logprobs is not None else None, serial=request.serial)
@@ -123,7 +153,10 @@ class OutputProcessor:
         completion.cumulative_logprob += sum(out.new_logprobs)
         if completion.logprobs is not None and out.new_top_logprobs:
             completion.logprobs.extend(out.new_top_logprobs)
-        new_text = "".join(seq.detokenizer.step(t) for t in out.new_token_ids)
+        new_text = "".join(self._decode(seq, t) for t in out.new_token_ids)
+        if seq.tools is not None:
+            self._apply_tool_text(state, seq, out, new_text)
+            return
         completion.text += new_text
         hit = seq.stops.find(completion.text, len(new_text)) if new_text else None
         if hit is not None:
@@ -134,6 +167,46 @@ class OutputProcessor:
                 self.stop_sequence(state.request_id, completion.index)
         elif out.finish_reason is not None:
             completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+
+    @staticmethod
+    def _decode(seq: _SequenceState, token_id: int) -> str:
+        text = seq.detokenizer.step(token_id)
+        if not text and seq.tools is not None:  # a skipped special token the tool format needs
+            return seq.tools.marker_ids.get(token_id, "")
+        return text
+
+    def _apply_tool_text(self, state: RequestState, seq: _SequenceState, out: SequenceOutput,
+                         new_text: str) -> None:
+        """Stop strings on the raw text, then the parser: content into ``text``, calls aside."""
+        completion, tools = seq.completion, seq.tools
+        tools.raw += new_text
+        reason, stop_reason = out.finish_reason, out.stop_reason
+        hit = seq.stops.find(tools.raw, len(new_text)) if new_text else None
+        if hit is not None:
+            stop, keep = hit
+            tools.raw = tools.raw[:keep]
+            reason, stop_reason = "stop", stop
+            if out.finish_reason is None:
+                self.stop_sequence(state.request_id, completion.index)
+        end = len(tools.raw) if reason is not None else max(tools.fed, len(tools.raw) - seq.stops.hold_back)
+        content, fragments = tools.parser.feed(tools.raw[tools.fed:end])
+        tools.fed = end
+        if reason is not None:
+            rest, more = tools.parser.finish()
+            content, fragments = content + rest, fragments + more
+        completion.text += content
+        tools.pending.extend(fragments)
+        completion.tool_calls = tools.parser.calls or None
+        if reason is not None:
+            if reason == "stop" and tools.parser.calls:
+                reason = "tool_calls"
+            completion.finish_reason, completion.stop_reason = reason, stop_reason
+
+    def _markers(self, fmt: type[ToolParser]) -> dict[int, str]:
+        if fmt not in self._marker_ids:
+            added = getattr(self.tokenizer, "added_tokens_encoder", None) or {}
+            self._marker_ids[fmt] = {added[m]: m for m in fmt.markers if m in added}
+        return self._marker_ids[fmt]
 
     def abort_all(self, reason: str = "abort") -> list[RequestState]:
         """Mark every live request finished (engine shutdown or death)."""

@@ -5,18 +5,20 @@ from __future__ import annotations
 from typing import Any, Union
 
 from ..errors import InvalidRequestError
+from ..tools.prompting import prepare_messages
 
 Prompt = Union[str, list[int], list[dict[str, Any]]]
 
 
-def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | None = None) -> tuple[str | None, list[int]]:
+def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | None = None,
+                    tool_parser: str = "hermes") -> tuple[str | None, list[int]]:
     """Return ``(prompt_text_or_None, token_ids)``; raise InvalidRequestError on bad input."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt: must not be empty", field="prompt")
         return prompt, list(tokenizer.encode(prompt))
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        text = render_chat(list(prompt), tokenizer, tools)
+        text = render_chat(list(prompt), tokenizer, tools, tool_parser)
         return text, list(tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, (list, tuple)) and prompt:
         ids = list(prompt)
@@ -29,13 +31,18 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
         "prompt: expected a non-empty string, list of token ids or list of chat messages", field="prompt")
 
 
-def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = None) -> str:
-    """Apply the tokenizer's chat template, ready for the assistant's reply."""
+def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = None,
+                tool_parser: str = "hermes") -> str:
+    """Apply the tokenizer's chat template, ready for the assistant's reply.
+
+    Tools (and earlier tool calls) reach the prompt even when the template ignores them: they are
+    then written into the messages in ``tool_parser``'s format (see asyncllm/tools/prompting.py)."""
     for i, message in enumerate(messages):
         if "role" not in message:
             raise InvalidRequestError(f"messages[{i}]: missing 'role'", field="messages")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages: this model's tokenizer has no chat template", field="messages")
+    messages, tools = prepare_messages(messages, tools, tokenizer, tool_parser)
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja raises many kinds of errors for malformed messages

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling_params import SamplingParams
+from ..structured import GrammarState, apply_grammar_masks
 
 
 @dataclass
@@ -23,6 +24,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     min_tokens_blocked: list[int]  # token ids forbidden while min_tokens is not reached
+    grammar: GrammarState | None = None  # structured output: only the tokens it allows may be sampled
 
 
 @dataclass
@@ -44,6 +46,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     _apply_logit_bias(logits, rows)
     _apply_min_tokens(logits, rows)
     _apply_penalties(logits, rows)
+    _apply_grammars(logits, rows)
     greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
     chosen = logits.argmax(dim=-1)
     if not bool(greedy.all()):
@@ -89,6 +92,14 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Forbid what each constrained row's grammar forbids; unconstrained rows are not touched.
+    Runs after the other logit processors so that top-k/top-p/min-p choose among allowed tokens."""
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if constrained:
+        apply_grammar_masks(logits, constrained, [rows[i].grammar for i in constrained])
 
 
 def _has_penalty(p: SamplingParams) -> bool:

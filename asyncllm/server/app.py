@@ -148,7 +148,8 @@ async def tokenize(ctx: ServerContext, request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "exactly one of 'prompt' and 'messages' is required", param="prompt")
     if body.messages is not None:
-        text = render_chat([m.to_template_dict() for m in body.messages], tokenizer, body.tools)
+        text = render_chat([m.to_template_dict() for m in body.messages], tokenizer, body.tools,
+                           getattr(ctx.llm, "tool_parser", "hermes"))
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

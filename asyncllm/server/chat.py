@@ -42,8 +42,10 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, 
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0)
-        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
-                                  finish_reason=c.finish_reason))
+        message = AssistantMessage(content=c.text)
+        if c.tool_calls:  # as OpenAI: the calls, and content only if the model wrote some besides
+            message = AssistantMessage(content=c.text or None, tool_calls=[t.to_openai() for t in c.tool_calls])
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=c.finish_reason))
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info())
 
 
@@ -67,6 +69,9 @@ async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
                 logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0)
             if c.text or logprobs:
                 yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs))
+            if c.tool_calls:  # OpenAI's order: a call's index, id and name first, then argument pieces
+                calls = [t.to_openai_delta() for t in c.tool_calls]
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(tool_calls=calls)))
             if c.finish_reason is not None:
                 check_not_aborted(delta)
                 yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason))

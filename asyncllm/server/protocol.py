@@ -62,7 +62,16 @@ class ChatMessage(_Request):
 
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict[str, Any]] = None
+    json_schema: Optional[dict[str, Any]] = None  # OpenAI's {"name", "schema", "strict", "description"}
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema the output must follow (``json_object``: any JSON object)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if not isinstance(self.json_schema, dict) or not isinstance(self.json_schema.get("schema", {}), dict):
+            raise InvalidRequestError("response_format: json_schema needs {'name': ..., 'schema': {...}}",
+                                      field="response_format")
+        return self.json_schema.get("schema", {"type": "object"})
 
 
 class _SamplingFields(_Request):
@@ -108,8 +117,7 @@ class _SamplingFields(_Request):
         if self.stop:  # OpenAI treats an empty list as no stop
             kwargs["stop"] = self.stop
         if self.response_format is not None and self.response_format.type != "text":
-            schema = (self.response_format.json_schema or {}).get("schema", {"type": "object"})
-            kwargs["json_schema"] = schema if self.response_format.type == "json_schema" else {"type": "object"}
+            kwargs["json_schema"] = self.response_format.schema()
         return kwargs
 
 
@@ -133,9 +141,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", field="top_logprobs")
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tool_choice: only 'auto' and 'none' are supported by this server yet",
-                                      field="tool_choice")
+        if self.tool_choice is not None:  # validated (with tools) by the engine's front
+            kwargs["tool_choice"] = self.tool_choice
+        if self.parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = self.parallel_tool_calls
         return kwargs
 
     def param_for(self, field: str | None) -> str | None:

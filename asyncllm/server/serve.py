@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> None:
 
     loras = parse_loras(args.lora)
     llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                   max_num_seqs=args.max_num_seqs)
+                   max_num_seqs=args.max_num_seqs, tool_parser=getattr(args, "tool_parser", None))
     try:
         try:
             asyncio.run(_load_loras(llm, loras))

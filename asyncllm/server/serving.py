@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from ..errors import AsyncLLMError
 from ..outputs import RequestOutput
+from ..tools import merge_fragments
 from .errors import APIError, ClientDisconnected, from_engine_error, from_validation_error
 from .metrics import ServerMetrics
 from .protocol import UsageInfo
@@ -160,8 +161,15 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
 def fold(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     """Add a delta to a cumulative output (deltas are fresh objects, so the first one is reused)."""
     if total is None:
+        for c in delta.outputs:  # fragments become whole calls
+            if c.tool_calls:
+                c.tool_calls, fragments = [], c.tool_calls
+                merge_fragments(c.tool_calls, fragments)
         return delta
     for acc, new in zip(total.outputs, delta.outputs):
+        if new.tool_calls:
+            acc.tool_calls = acc.tool_calls or []
+            merge_fragments(acc.tool_calls, new.tool_calls)
         acc.text += new.text
         acc.token_ids += new.token_ids
         if new.logprobs is not None:

@@ -1,0 +1,81 @@
+"""Per-sequence grammar state on the engine side, and the token bitmasks applied to logits.
+
+Each constrained sequence owns a :class:`GrammarState`. The sampler asks the states of the
+constrained rows (and only those) for a bitmask of allowed tokens and sets every other logit to
+``-inf``; unconstrained rows are not touched. After sampling, the engine advances the state with
+the chosen token, exactly once per generated token: a sequence recomputed after preemption keeps
+its state and does not replay tokens it already accepted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import llguidance
+import llguidance.torch
+import torch
+
+_executor = None
+_executor_lock = threading.Lock()
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarState:
+    """An llguidance matcher that follows one sequence's generated tokens."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: "llguidance.LLMatcher") -> None:
+        self.matcher = matcher
+
+    def fork(self) -> "GrammarState":
+        """An independent copy at the current position (``n > 1`` children fork from their leader)."""
+        return GrammarState(self.matcher.deep_copy())
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over a sampled token; False if the grammar does not allow it (state is then an error)."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete and allows nothing more (only EOS would be allowed)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+def _get_executor() -> "llguidance.LLExecutor":
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
+    """``[len(states), ceil(vocab / 32)]`` int32 bitmask (bit set: token allowed), filled on CPU."""
+    bitmask = torch.zeros((len(states), (vocab_size + 31) // 32), dtype=torch.int32)
+    if len(states) == 1:
+        llguidance.torch.fill_next_token_bitmask(states[0].matcher, bitmask, 0)
+    else:  # llguidance spreads the rows over its own threads (the GIL is released)
+        llguidance.torch.fill_next_token_bitmask_par(
+            _get_executor(), [(s.matcher, i) for i, s in enumerate(states)], bitmask)
+    return bitmask
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool ``[rows, vocab_size]``: True where the token is allowed."""
+    shifts = _SHIFTS.to(bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+    """Set every token the grammar forbids to ``-inf`` in ``logits[rows]`` (in place)."""
+    vocab_size = logits.shape[1]
+    bitmask = fill_bitmask(states, vocab_size).to(logits.device, non_blocking=True)
+    allowed = unpack_bitmask(bitmask, vocab_size)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -29,8 +29,10 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _dot(a, b, IEEE_DOT: tl.constexpr):
     if IEEE_DOT:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit

@@ -135,7 +135,10 @@ class TritonAttentionBackend:
         if launch.num_splits > 1 and launch.partials is None:
             launch.partials = split_buffers(launch.qblock_seq.numel(), self.num_kv_heads, launch.num_splits,
                                             launch.block_m, k_cache.shape[3], query.device)
+        tile_n = self.tuning.tile_n
+        if query.element_size() == 4 and k_cache.shape[3] > 64:
+            tile_n //= 2  # float32 K/V tiles take twice the bytes: keep the pipelined stages in shared memory
         paged_attention(output, query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor,
                         meta.query_start_tensor, launch.qblock_seq, launch.qblock_start, scale,
-                        block_m=launch.block_m, tile_n=self.tuning.tile_n, num_splits=launch.num_splits,
+                        block_m=launch.block_m, tile_n=max(16, tile_n), num_splits=launch.num_splits,
                         partials=launch.partials)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from ..errors import ConfigError
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
-from ..kernels.triton_utils import check_triton_device, triton_available
+from ..kernels.triton_utils import check_triton_device, interpreting, triton_available
 from .cuda_graphs import DecodeGraphs
 from .llama import DecoderShape, LlamaFamilyModel
 from .loader import load_weights
@@ -144,17 +145,22 @@ class ModelRunner:
         return self.backend.name == "triton"
 
     def _capture_cuda_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
-        if not (config.enable_cuda_graphs and self.device.type == "cuda" and self.uses_triton):
+        if not (config.enable_cuda_graphs and self.device.type == "cuda" and self.uses_triton) or interpreting():
             return None
-        with triton_ops(True):
+        with self._on_device(), triton_ops(True):
             graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_model_len,
                                   self.block_size)
             return graphs.capture()
 
+    def _on_device(self):
+        """Make the engine's GPU current: Triton launches on the current device, and a thread's
+        current device is cuda:0 whatever device the engine was given."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The decoder over the flattened batch: a CUDA graph replay for a decode-only step that fits
         one, else eagerly. Steps with LoRA adapters run eagerly: graphs are captured without them."""
-        with triton_ops(self.uses_triton):
+        with self._on_device(), triton_ops(self.uses_triton):
             if self.cuda_graphs is not None and not self.lora.groups and self.cuda_graphs.fits(meta):
                 return self.cuda_graphs.replay(input_ids, positions, meta)
             return self.model(input_ids, positions, meta, self.kv_caches)

@@ -23,7 +23,7 @@ demo: setup
 	$(PY) -m asyncllm.cli demo $(if $(MODEL),--model $(MODEL),)
 
 bench: setup
-	$(PY) -m benchmarks.w_cpu
+	$(PY) -m benchmarks $(if $(QUICK),--quick,)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,10 +1,13 @@
-"""The ``asyncllm`` command: ``asyncllm demo [--model PATH]``, ``asyncllm serve MODEL [...]``."""
+"""The ``asyncllm`` command: ``asyncllm demo [--model PATH]``, ``asyncllm serve MODEL [...]``,
+``asyncllm bench [...]`` (the benchmark suite of a source checkout: ``python -m benchmarks``)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,10 +32,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=256)
     serve.add_argument("--tool-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                        help="tool-call format (default: the model family's; docs/tools.md)")
+    commands.add_parser("bench", add_help=False, help="run the benchmark suite (a source checkout only; "
+                        "'asyncllm bench --help' for its options)")
     return parser
 
 
+def bench(argv: list[str]) -> int:
+    """Forward to ``python -m benchmarks``: the suite lives at the root of a source checkout, not in the wheel."""
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        if (root / "benchmarks" / "__main__.py").is_file() and str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+    try:
+        from benchmarks.__main__ import main as bench_main
+    except ImportError as exc:
+        print(f"asyncllm bench: the benchmark suite is not importable ({exc}). It is not part of the installed "
+              "package: run it from a source checkout of asyncllm (e.g. `pip install -e .`, then `asyncllm bench` "
+              "or `python -m benchmarks` in the checkout).", file=sys.stderr)
+        return 2
+    return bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every other argument belongs to the suite's own parser
+        raise SystemExit(bench(argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":

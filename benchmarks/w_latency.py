@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from benchmarks.common import CPU_LLAMA_SPEC, build_cpu_llama, machine_info
+from benchmarks.common import build_cpu_llama, machine_info
+from benchmarks.measure import loadavg, model_config, percentile, utc_now, write_report
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+SIZES = {"full": [], "quick": ["--requests", "5"],
+         "tiny": ["--requests", "2", "--prompt-len", "8", "--output-len", "6"]}
 
 
 def _time_engine_steps(llm) -> list[float]:
@@ -46,8 +43,8 @@ async def measure(model_dir: str, requests: int, prompt_len: int, output_len: in
     from asyncllm import AsyncLLM
 
     rng = random.Random(seed)
-    vocab = CPU_LLAMA_SPEC["vocab_size"]
-    ttfts, gaps = [], []
+    vocab = model_config(model_dir)["vocab_size"]
+    ttfts, gaps, tokens = [], [], 0
     async with AsyncLLM(model_dir, dtype="float32") as llm:
         await llm.generate([11] * prompt_len, max_tokens=4, ignore_eos=True)  # warm-up
         steps = _time_engine_steps(llm)
@@ -57,6 +54,7 @@ async def measure(model_dir: str, requests: int, prompt_len: int, output_len: in
             first = True
             async for delta in llm.stream_outputs(prompt, temperature=0, max_tokens=output_len, ignore_eos=True):
                 now = time.perf_counter()
+                tokens += len(delta.outputs[0].token_ids)
                 if first:
                     ttfts.append(now - start)
                     first = False
@@ -70,12 +68,18 @@ async def measure(model_dir: str, requests: int, prompt_len: int, output_len: in
     step_p50 = statistics.median(decode_steps)
     itl_p50 = statistics.median(gaps)
     return {
+        "benchmark": "W-LATENCY",
+        "date": utc_now(),
         "workload": {"name": "W-LATENCY", "requests": requests, "prompt_len": prompt_len, "output_len": output_len},
+        "tokens_received": tokens,
+        "deliveries": len(ttfts) + len(gaps),
         "ttft_ms": {"p50": ms(statistics.median(ttfts)), "p99": ms(percentile(ttfts, 99))},
         "itl_ms": {"p50": ms(itl_p50), "p99": ms(percentile(gaps, 99))},
         "engine_decode_step_ms": {"p50": ms(step_p50), "p99": ms(percentile(decode_steps, 99))},
         "delivery_overhead_ms_p50": ms(itl_p50 - step_p50),
-        "machine": machine_info(),
+        "latency_measurement": "consumer side: gaps between items of AsyncLLM.stream_outputs (one request at a "
+                               "time); engine step = EngineCore.step wall time in the engine thread, the "
+                               "slowest `requests` steps (the prefills) dropped",
     }
 
 
@@ -87,8 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model-dir", help="checkpoint to use instead of the cached cpu-llama")
     parser.add_argument("--json", metavar="PATH", help="write the figures to this JSON file")
     args = parser.parse_args(argv)
+    load_start = loadavg()
     model_dir = args.model_dir or str(build_cpu_llama())
     result = asyncio.run(measure(model_dir, args.requests, args.prompt_len, args.output_len))
+    result["machine"] = {**machine_info(), "loadavg_start": load_start, "loadavg_end": loadavg()}
     result["command"] = "python -m benchmarks.w_latency " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"W-LATENCY ({args.requests} requests, {args.prompt_len} prompt / {args.output_len} output tokens)")
     print(f"  time to first token  p50 {result['ttft_ms']['p50']:8.2f} ms   p99 {result['ttft_ms']['p99']:8.2f} ms")
@@ -96,9 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  engine decode step   p50 {result['engine_decode_step_ms']['p50']:8.2f} ms   "
           f"p99 {result['engine_decode_step_ms']['p99']:8.2f} ms")
     print(f"  delivery overhead    p50 {result['delivery_overhead_ms_p50']:8.3f} ms")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_report(args.json, result)
     return result
 
 

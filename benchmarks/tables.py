@@ -1,0 +1,127 @@
+"""Markdown tables of the benchmark JSON, as pasted into docs/benchmarks.md.
+
+    python -m benchmarks.tables [--results benchmarks/results]
+
+One table per workload whose JSON is in the folder; workloads without a dedicated table are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _ms(d: dict[str, Any] | None, q: str) -> str:
+    v = (d or {}).get(q)
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def table_w_cpu(r: dict[str, Any]) -> str:
+    rows = []
+    for name, e in r["results"].items():
+        mem = e.get("memory", {}).get("peak_rss_delta_mb")
+        share = e.get("roofline_share")
+        rows.append([name, f"{e.get('tokens_per_s') or 0:.1f}", str(len(e.get("wall_s", []))),
+                     _x(e.get("ratio_to_hf_static")), _x(e.get("ratio_to_hf_continuous")),
+                     "-" if share is None else f"{100 * share:.1f}%",
+                     _ms(e.get("ttft_ms"), "p50"), _ms(e.get("ttft_ms"), "p99"),
+                     _ms(e.get("itl_ms"), "p50"), _ms(e.get("itl_ms"), "p99"),
+                     "-" if mem is None else f"{mem:.0f}"])
+    roof = r["roofline"]
+    rows.append(["roofline", f"{roof['roofline_tokens_per_s']:.1f}", "", "", "", "100%", "", "", "", "", ""])
+    return _table(["engine", "tok/s", "runs", "x hf-static", "x hf-CB", "roofline", "TTFT p50 ms", "TTFT p99 ms",
+                   "ITL p50 ms", "ITL p99 ms", "peak RSS MB"], rows)
+
+
+def table_w_prefix(r: dict[str, Any]) -> str:
+    rows = [[mode, f"{e['tokens_per_s']:.1f}", _ms(e["ttft_ms"], "p50"), _ms(e["ttft_ms"], "p99"),
+             _ms(e["itl_ms"], "p50"), _ms(e["itl_ms"], "p99"), f"{100 * e['prefix_cache_hit_rate']:.1f}%",
+             f"{e['memory']['peak_rss_delta_mb'] or 0:.0f}"] for mode, e in r["results"].items()]
+    text = _table(["mode", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "prompt tokens cached",
+                   "peak RSS MB"], rows)
+    return text + (f"\n\nTTFT p50 without / with caching: **{_x(r['ttft_p50_ratio'])}** "
+                   f"(p99 {_x(r['ttft_p99_ratio'])}); throughput with / without: {_x(r['throughput_ratio'])}.")
+
+
+def table_w_latency(r: dict[str, Any]) -> str:
+    rows = [[label, _ms(r[key], "p50"), _ms(r[key], "p99")] for key, label in
+            (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency"),
+             ("engine_decode_step_ms", "engine decode step"))]
+    return _table(["", "p50 ms", "p99 ms"], rows) + (
+        f"\n\nDelivery overhead (ITL p50 - step p50): {r['delivery_overhead_ms_p50']:.3f} ms.")
+
+
+def table_w_lora(r: dict[str, Any]) -> str:
+    lat = r.get("latency", {})
+    rows = [[label, f"{r[key]:.1f}", _ms(lat.get(mode, {}).get("ttft_ms"), "p50"),
+             _ms(lat.get(mode, {}).get("itl_ms"), "p50"), _ms(lat.get(mode, {}).get("itl_ms"), "p99")]
+            for key, mode, label in (("base_tokens_per_s", "base", "base model"),
+                                     ("lora_tokens_per_s", "lora", f"{r['workload']['adapters']} adapters"))]
+    return _table(["run", "tok/s", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms"], rows) + (
+        f"\n\nLoRA / base: **{100 * r['lora_vs_base']:.0f}%**.")
+
+
+def table_w_scale(r: dict[str, Any]) -> str:
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    rows = [[str(x["concurrency"]), str(x["requests"]), f"{x['tokens_per_s']:.1f}", _ms(x["ttft_ms"], "p50"),
+             _ms(x["itl_ms"], "p50"), _ms(x["itl_ms"], "p99"), pct(x["kv_utilization"]["weighted"]),
+             pct(x["kv_utilization"]["min"])] for x in r["levels"]]
+    return _table(["concurrency", "requests", "tok/s", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms",
+                   "KV utilization", "worst step"], rows)
+
+
+def table_w_json(r: dict[str, Any]) -> str:
+    rates = r.get("throughput_tok_s") or {}
+    rows = [[name, f"{v:.1f}"] for name, v in rates.items()]
+    ratio = r.get("ratio_constrained_over_unconstrained")
+    return _table(["run", "tok/s"], rows) + (
+        f"\n\nConstrained / unconstrained: **{100 * ratio:.0f}%**; valid JSON: {r.get('valid_json_outputs')}."
+        if ratio is not None else "")
+
+
+TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "w_cpu": table_w_cpu, "w_prefix": table_w_prefix, "w_latency": table_w_latency, "w_lora": table_w_lora,
+    "w_scale": table_w_scale, "w_json": table_w_json,
+}
+
+
+def markdown(results_dir: str | Path) -> str:
+    """All tables, each under a heading with the run's date and load average."""
+    parts = []
+    for name, render in TABLES.items():
+        path = Path(results_dir) / f"{name}.json"
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        try:
+            body = render(r)
+        except (KeyError, TypeError, ValueError) as e:  # a JSON of another shape (an older or newer script)
+            body = f"(no table: {type(e).__name__}: {e})"
+        load = r.get("machine", {}).get("loadavg_start")
+        note = f" (load average {load[0]:.2f} at start)" if load else ""
+        parts.append(f"### {r.get('benchmark', name)}: {r.get('date', '')}{note}\n\n{body}")
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/results")
+    text = markdown(parser.parse_args(argv).results)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The benchmark suite (benchmarks/) at a tiny size on the tests' tiny llama: it runs, its numbers are consistent
+with each other and with the workloads, its JSON has the fields, its plots and tables are written.
+Speed is never asserted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # benchmarks/ lives at the repository root, beside asyncllm/
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import __main__ as runner  # noqa: E402
+from benchmarks import w_lora  # noqa: E402
+from benchmarks.common import w_cpu_workload  # noqa: E402
+from benchmarks.measure import kv_utilization_summary, latency_report, summarize_ms  # noqa: E402
+from benchmarks.w_prefix import prefix_workload  # noqa: E402
+
+MINE = ("w_cpu", "w_prefix", "w_latency", "w_lora", "w_scale")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def suite(llama_dir, tmp_path_factory) -> dict:
+    """One tiny run of the whole suite through the runner (python -m benchmarks --size tiny)."""
+    out = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(w_lora, "DEFAULT_CACHE_DIR", out / "cache")  # adapters of the tiny model stay in tmp
+        code = runner.main(["--size", "tiny", "--only", ",".join(MINE), "--model-dir", str(llama_dir),
+                            "--out", str(out / "results"), "--plots", str(out / "img")])
+    reports = {name: json.loads((out / "results" / f"{name}.json").read_text()) for name in MINE}
+    return {"code": code, "out": out, "reports": reports, "model_dir": llama_dir}
+
+
+def _vocab(model_dir: Path) -> int:
+    return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+
+
+def test_runner_summary_tables_and_plots(suite):
+    assert suite["code"] == 0
+    results = suite["out"] / "results"
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["size"] == "tiny"
+    assert [n for n in summary["workloads"]] == list(MINE)
+    assert all(summary["workloads"][n]["status"] == "ok" for n in MINE)
+    assert len(summary["machine"]["loadavg_start"]) == 3 and "cpu_model" in summary["machine"]
+    for name in MINE:
+        png = suite["out"] / "img" / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        assert str(png) in summary["plots"]
+    tables = (results / "summary.md").read_text()
+    for title in ("W-CPU", "W-PREFIX", "W-LATENCY", "W-LORA", "W-SCALE"):
+        assert f"### {title}:" in tables
+
+
+def test_w_cpu_counts_ratios_and_latency(suite):
+    r = suite["reports"]["w_cpu"]
+    workload = w_cpu_workload(_vocab(suite["model_dir"]), scale=0.06)
+    assert r["workload"]["output_tokens"] == workload.output_tokens
+    assert r["workload"]["num_requests"] == len(workload.requests)
+    res = r["results"]
+    assert set(res) == {"asyncllm", "hf-static", "hf-continuous"}
+    roof = r["roofline"]["roofline_tokens_per_s"]
+    for name, e in res.items():
+        assert e["status"] == "ok", e["error"]
+        assert e["generated_tokens"] == workload.output_tokens and e["length_mismatches"] == 0
+        assert e["timed_tokens"] == workload.output_tokens
+        assert e["tokens_per_s"] == pytest.approx(workload.output_tokens / e["median_wall_s"])
+        assert e["roofline_share"] == pytest.approx(e["tokens_per_s"] / roof)
+        assert e["ratio_to_hf_static"] == pytest.approx(e["tokens_per_s"] / res["hf-static"]["tokens_per_s"])
+        assert e["ratio_to_hf_continuous"] == pytest.approx(e["tokens_per_s"] / res["hf-continuous"]["tokens_per_s"])
+        assert e["ttft_ms"]["count"] == len(workload.requests)
+        assert e["itl_ms"]["count"] == workload.output_tokens - len(workload.requests)
+        assert 0 < e["ttft_ms"]["p50"] <= e["ttft_ms"]["p99"] <= 1000 * e["median_wall_s"]
+        assert e["memory"]["peak_rss_delta_mb"] is not None and e["memory"]["method"]
+    assert 0 < res["asyncllm"]["kv_utilization"]["weighted"] <= 1
+    assert set(r["latency_measurement"]) >= {"asyncllm", "hf-static", "hf-continuous", "definition"}
+    assert r["roofline"]["matmul_gflops"] == 100  # pinned by the tiny size
+    assert r["machine"]["loadavg_start"] is not None
+
+
+def test_w_prefix_modes_hits_and_ratios(suite):
+    r = suite["reports"]["w_prefix"]
+    workload = prefix_workload(_vocab(suite["model_dir"]), scale=0.2)
+    n = len(workload.requests)
+    prefix_len = r["workload"]["prefix_len"]
+    assert all(req.prompt_token_ids[:prefix_len] == workload.requests[0].prompt_token_ids[:prefix_len]
+               for req in workload.requests)
+    assert len({tuple(req.prompt_token_ids) for req in workload.requests}) == n  # distinct suffixes
+    cached, uncached = r["results"]["prefix-cache"], r["results"]["no-cache"]
+    for e in (cached, uncached):
+        assert e["generated_tokens"] == workload.output_tokens
+        assert e["ttft_ms"]["count"] == n * len(e["wall_s"])
+        assert e["tokens_per_s"] == pytest.approx(workload.output_tokens / e["median_wall_s"])
+    assert cached["prefix_cache_hit_tokens"] > 0 and uncached["prefix_cache_hit_tokens"] == 0
+    assert r["ttft_p50_ratio"] == pytest.approx(uncached["ttft_ms"]["p50"] / cached["ttft_ms"]["p50"])
+    assert r["throughput_ratio"] == pytest.approx(cached["tokens_per_s"] / uncached["tokens_per_s"])
+    assert "shared prefix" in r["warmup"]
+
+
+def test_w_latency_counts(suite):
+    r = suite["reports"]["w_latency"]
+    w = r["workload"]
+    assert r["tokens_received"] == w["requests"] * w["output_len"]
+    assert r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0 and r["engine_decode_step_ms"]["p50"] > 0
+    assert r["delivery_overhead_ms_p50"] == pytest.approx(r["itl_ms"]["p50"] - r["engine_decode_step_ms"]["p50"],
+                                                          abs=2e-3)
+
+
+def test_w_lora_ratio_and_latency(suite):
+    r = suite["reports"]["w_lora"]
+    assert r["lora_vs_base"] == pytest.approx(r["lora_tokens_per_s"] / r["base_tokens_per_s"], abs=2e-3)
+    out_tokens = r["workload"]["output_tokens"]
+    for mode in ("base", "lora"):
+        assert r["latency"][mode]["timed_tokens"] == out_tokens
+        assert r["latency"][mode]["ttft_ms"]["count"] == r["workload"]["num_requests"] * len(r["runs"][mode])
+    assert list((suite["out"] / "cache" / "lora").glob("*/r4-0/adapter_model.safetensors"))
+
+
+def test_w_scale_levels(suite):
+    r = suite["reports"]["w_scale"]
+    assert [x["concurrency"] for x in r["levels"]] == [1, 4]
+    mix = w_cpu_workload(_vocab(suite["model_dir"]), scale=0.1)
+    for level in r["levels"]:
+        expected = min(len(mix.requests), max(2, 4 * level["concurrency"]))
+        assert level["requests"] == expected
+        assert level["generated_tokens"] == level["output_tokens"]
+        assert level["output_tokens"] == sum(req.max_tokens for req in mix.requests[:expected])
+        assert level["tokens_per_s"] == pytest.approx(level["output_tokens"] / level["wall_s"])
+        kv = level["kv_utilization"]
+        assert kv["samples"] > 0 and 0 < kv["min"] <= kv["mean"] <= 1 and 0 < kv["weighted"] <= 1
+
+
+def test_measure_helpers():
+    report = latency_report(10.0, [[10.5, 10.7, 11.0], [], [12.0]])
+    assert report["ttft_ms"] == {"p50": 500.0, "p99": 2000.0, "mean": 1250.0, "count": 2}
+    assert report["itl_ms"]["count"] == 2 and report["itl_ms"]["p50"] == pytest.approx(200.0)
+    assert summarize_ms([])["p50"] is None
+    assert kv_utilization_summary([(30, 32), (10, 16)]) == {"mean": 0.7812, "min": 0.625, "weighted": 0.8333,
+                                                             "samples": 2}
+
+
+def test_runner_skips_what_cannot_run_and_rejects_unknown_names():
+    import torch
+
+    if not torch.cuda.is_available():
+        assert runner.skip_reason("w_gpu") in ("needs CUDA", "module not present")
+    with pytest.raises(SystemExit):
+        runner.parse_args(["--only", "w_nothing"])
+    assert runner.parse_args(["--quick"]).size == "quick"
+
+
+def test_cli_bench_forwards_and_explains_when_missing(llama_dir, tmp_path, monkeypatch, capsys):
+    from asyncllm import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "--size", "tiny", "--only", "w_latency", "--model-dir", str(llama_dir),
+                  "--out", str(tmp_path), "--plots", ""])
+    assert done.value.code == 0
+    assert json.loads((tmp_path / "w_latency.json").read_text())["benchmark"] == "W-LATENCY"
+    monkeypatch.setitem(sys.modules, "benchmarks.__main__", None)  # as if installed from a wheel
+    assert cli.bench(["--help"]) == 2
+    assert "source checkout" in capsys.readouterr().err

@@ -36,6 +36,34 @@ def _dot(a, b, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, q_pos, m_i, l_i, acc, keys, kv_end, table, k_head, v_head, stride_kb, stride_ks, stride_vb,
+                 stride_vs, dims, dim_ok, scale_log2, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr,
+                 IEEE_DOT: tl.constexpr):
+    """One step of the online softmax: the rows' scores against key positions ``keys``, found
+    through the block table; returns the updated (running max, running sum, unnormalised output)."""
+    key_ok = keys < kv_end
+    block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    slot = keys % BLOCK_SIZE
+    k = tl.load(k_head + block[None, :] * stride_kb + slot[None, :] * stride_ks + dims[:, None],
+                mask=dim_ok[:, None] & key_ok[None, :], other=0.0)      # [D, TILE_N]
+    v = tl.load(v_head + block[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :],
+                mask=key_ok[:, None] & dim_ok[None, :], other=0.0)      # [TILE_N, D]
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = _dot(q, k, IEEE_DOT) * scale_log2
+    s = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps max -inf; 0 as its reference gives exp2 -> 0, not NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,
@@ -82,28 +110,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
     for tile in range(tile_lo, tile_hi):
-        keys = tile * TILE_N + tl.arange(0, TILE_N)
-        key_ok = keys < kv_end
-        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        slot = keys % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh
-                    + dims[:, None], mask=dim_ok[:, None] & key_ok[None, :], other=0.0)      # [D, TILE_N]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                    + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)      # [TILE_N, D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = _dot(q, k, IEEE_DOT) * scale_log2
-        s = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key yet keeps max -inf; 0 as its reference gives exp2 -> 0, not NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, tile * TILE_N + tl.arange(0, TILE_N), kv_end, table,
+                                     k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_ok,
+                                     scale_log2, BLOCK_SIZE, UPCAST, IEEE_DOT)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

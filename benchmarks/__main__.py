@@ -79,11 +79,25 @@ def run_one(name: str, size: str, out_dir: Path, model_dir: str | None) -> dict[
     return entry
 
 
+def git_state() -> dict[str, Any]:
+    """The checkout's commit and whether its working tree had changes (the figures belong to that code)."""
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=HERE.parent, capture_output=True, text=True, timeout=10).stdout
+
+    try:
+        return {"commit": git("rev-parse", "HEAD").strip() or None,
+                "dirty_files": [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty_files": None}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_const", const="quick", dest="size",
-                   help="smaller workloads (a few minutes in all)")
-    p.add_argument("--size", choices=["full", "quick", "tiny"], default="full",
+                   help="smaller workloads (a few minutes in all); the same as --size quick")
+    p.add_argument("--size", choices=["full", "quick", "tiny"],
                    help="full (BENCHMARKS.md sizes), quick, or tiny (a smoke test, e.g. with a test checkpoint)")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON results (default: %(default)s)")
@@ -91,6 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="folder for the PNG plots, '' for none (default: %(default)s)")
     p.add_argument("--model-dir", help="checkpoint for the CPU workloads instead of the cached cpu-llama")
     args = p.parse_args(argv)
+    args.size = args.size or "full"
     names = args.only.split(",") if args.only else list(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:

@@ -151,7 +151,7 @@ def test_runner_skips_what_cannot_run_and_rejects_unknown_names():
         assert runner.skip_reason("w_gpu") in ("needs CUDA", "module not present")
     with pytest.raises(SystemExit):
         runner.parse_args(["--only", "w_nothing"])
-    assert runner.parse_args(["--quick"]).size == "quick"
+    assert runner.parse_args(["--quick"]).size == "quick" and runner.parse_args([]).size == "full"
 
 
 def test_cli_bench_forwards_and_explains_when_missing(llama_dir, tmp_path, monkeypatch, capsys):

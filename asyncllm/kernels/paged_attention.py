@@ -63,7 +63,7 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, keys, kv_end, table, k_head, v_head, s
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step: one compiled kernel
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,

@@ -109,7 +109,9 @@ class TritonAttentionBackend:
         target = t.waves * (t.num_sms or num_sms(device))
         programs = num_qblocks * self.num_kv_heads
         splits = min(t.max_splits, target // max(programs, 1), max_len // t.min_split_tokens)
-        return splits if splits >= 2 else 1
+        # A power of two: each split count is a separate compiled kernel, and these few are all
+        # compiled when the CUDA graphs are captured, not in the middle of serving.
+        return 1 << (splits.bit_length() - 1) if splits >= 2 else 1
 
     def _range(self, n: int, device: torch.device, zeros: bool = False) -> torch.Tensor:
         key = (n, str(device), zeros)

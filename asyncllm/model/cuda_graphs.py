@@ -81,7 +81,8 @@ class DecodeGraphs:
                 meta = self._static_meta(bucket)
                 self._run(bucket, meta)                     # warm-up: compile, allocate split buffers
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                # thread_local: another engine's thread may use the GPU while this one captures
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     hidden = self._run(bucket, meta)
                 self.graphs[bucket] = _Graph(graph, meta, hidden)
         torch.cuda.current_stream().wait_stream(stream)

@@ -242,3 +242,25 @@ def test_special_token_markers_are_forced_and_parsed(tokenizer_dir):
     c = state.output().outputs[0]
     assert (c.text, c.finish_reason) == ("", "tool_calls")
     assert [(t.name, json.loads(t.arguments)["city"]) for t in c.tool_calls] == [("get_weather", "Oslo")]
+
+
+def test_agent_loop_example(llm, capsys):
+    """examples/agent_loop.py over HTTP with the openai client: call, tool answer, continuation."""
+    import importlib.util
+    from pathlib import Path
+
+    from server_helpers import serve_in_thread
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "agent_loop.py"
+    spec = importlib.util.spec_from_file_location("agent_loop", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with serve_in_thread(create_app(llm)) as url:
+        messages = example.run(f"{url}/v1", max_tokens=128)
+    roles = [m["role"] for m in messages]
+    assert roles[:4] == ["system", "user", "assistant", "tool"] and roles[-1] == "assistant"
+    call = messages[2]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), example.TOOLS[0]["function"]["parameters"])
+    assert json.loads(messages[3]["content"])["sky"] == "clear"
+    assert "[tool] get_weather(" in capsys.readouterr().out

@@ -275,6 +275,22 @@ def _roofline(workload: Workload, cfg: dict, pinned: float | None, first: list[f
     return roof
 
 
+def _methods(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """How each figure was measured, and the engines' entries."""
+    return {
+        "reference": REFERENCE,
+        "latency_measurement": {
+            ENGINE_ASYNCLLM: ASYNCLLM_TIMING,
+            ENGINE_STATIC: results.get(ENGINE_STATIC, {}).get("latency_timing"),
+            ENGINE_CB: results.get(ENGINE_CB, {}).get("latency_timing"),
+            "definition": "TTFT = first token time - submission of all requests; ITL = gaps between a request's "
+                          "consecutive tokens; percentiles over requests (TTFT) and tokens (ITL) of the median run",
+        },
+        "memory_measurement": MEMORY_METHOD,
+        "results": results,
+    }
+
+
 def _preimport() -> None:
     """Import the engines' code before any memory is measured, so that no engine is charged for the imports."""
     import transformers.models.llama.modeling_llama  # noqa: F401
@@ -326,16 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                   "dtype": "float32"},
         "workload": ws,
         "roofline": roof,
-        "reference": REFERENCE,
-        "latency_measurement": {
-            ENGINE_ASYNCLLM: ASYNCLLM_TIMING,
-            ENGINE_STATIC: results.get(ENGINE_STATIC, {}).get("latency_timing"),
-            ENGINE_CB: results.get(ENGINE_CB, {}).get("latency_timing"),
-            "definition": "TTFT = first token time - submission of all requests; ITL = gaps between a request's "
-                          "consecutive tokens; percentiles over requests (TTFT) and tokens (ITL) of the median run",
-        },
-        "memory_measurement": MEMORY_METHOD,
-        "results": results,
+        **_methods(results),
     }
     if args.json:
         write_report(args.json, report)

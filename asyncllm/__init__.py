@@ -6,7 +6,8 @@ from .llm import LLM
 from .lora_request import LoRARequest
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
+from .tools.calls import ToolCall
 
 __all__ = ["AsyncLLM", "LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "AsyncLLMError", "InvalidRequestError", "EngineDeadError", "LoRAError"]
+           "ToolCall", "AsyncLLMError", "InvalidRequestError", "EngineDeadError", "LoRAError"]
 __version__ = "0.1.0"

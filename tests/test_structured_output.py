@@ -160,3 +160,22 @@ def test_compiler_caches_and_allows_eos_only_when_complete(llm):
     child = state.fork()
     assert child.accept(llm.tokenizer.convert_tokens_to_ids("b")) and child.is_finished
     assert not state.is_finished  # the fork did not move its parent
+
+
+def test_prefetched_masks_equal_masks_computed_at_sampling(llm):
+    """The accelerator path: masks filled ahead (during the forward pass) are the same masks, and a
+    child forked from a prefetched leader reuses the leader's row."""
+    from asyncllm.structured import prefetch_masks
+
+    template = llm.inputs.grammars.compile_params(SamplingParams(json_schema=PERSON))
+    states = [template.new_state() for _ in range(3)]
+    token = llm.tokenizer.encode('{"', add_special_tokens=False)[0]
+    assert states[1].accept(token)
+    expected = torch.zeros(3, llm.engine.vocab_size)
+    sampler_module.apply_grammar_masks(expected, [0, 1, 2], states)
+    prefetch_masks(states[:2], llm.engine.vocab_size)
+    child = states[1].fork()
+    got = torch.zeros(4, llm.engine.vocab_size)
+    sampler_module.apply_grammar_masks(got, [0, 1, 2, 3], states + [child])
+    assert torch.equal(got[:3], expected) and torch.equal(got[3], expected[1])
+    assert all(s.prefetched is None for s in states + [child])

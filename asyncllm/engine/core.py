@@ -19,6 +19,7 @@ from ..config import EngineConfig
 from ..model.loader import check_model_dir, load_hf_config
 from ..model.runner import ModelRunner
 from ..model.sampler import SamplingRow, prompt_logprobs, sample
+from ..structured import prefetch_masks
 from .kv_cache import KVCacheManager
 from .request import EngineRequest, Sequence, SequenceStatus
 from .scheduler import ScheduledBatch, Scheduler
@@ -145,6 +146,7 @@ class EngineCore:
 
     def _run(self, batch: ScheduledBatch) -> list[SequenceOutput]:
         rows, plans = self._plan_logits(batch)
+        self._prefetch_grammar_masks(batch, plans)
         logits = self.runner.execute(batch, rows)
         prompt_lps: dict[int, list[dict[int, float]]] = {}
         to_sample: list[tuple[Sequence, int]] = []
@@ -168,6 +170,17 @@ class EngineCore:
                 outputs.append(SequenceOutput(seq.request_id, seq.index, [], [], None, prompt_lps.pop(id(seq)),
                                               serial=seq.request.serial))
         return outputs
+
+    def _prefetch_grammar_masks(self, batch: ScheduledBatch, plans) -> None:
+        """Constrained sequences that sample this step: on an accelerator their token masks are
+        computed while the model runs (the grammar engine works in its own threads). On CPU the
+        model already uses every core and the overlap measured slower, so masks wait for sampling."""
+        if self.runner.device.type == "cpu":
+            return
+        states = [seq.grammar for seq, (_, sample_row) in zip(batch.seqs, plans)
+                  if sample_row is not None and seq.grammar is not None]
+        if states:
+            prefetch_masks(states, self.vocab_size)
 
     def _plan_logits(self, batch: ScheduledBatch):
         """Which flat token positions need logits: each sequence's last one when it samples,

@@ -10,6 +10,7 @@ its state and does not replay tokens it already accepted.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.torch
@@ -18,20 +19,27 @@ import torch
 
 _executor = None
 _executor_lock = threading.Lock()
+_prefetch_pool: ThreadPoolExecutor | None = None
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarState:
     """An llguidance matcher that follows one sequence's generated tokens."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "prefetched")
 
     def __init__(self, matcher: "llguidance.LLMatcher") -> None:
         self.matcher = matcher
+        self.prefetched: tuple[Future, int] | None = None  # (bitmask being filled, this state's row)
 
     def fork(self) -> "GrammarState":
-        """An independent copy at the current position (``n > 1`` children fork from their leader)."""
-        return GrammarState(self.matcher.deep_copy())
+        """An independent copy at the current position (``n > 1`` children fork from their leader);
+        a mask being prefetched for the parent is the child's too (same position)."""
+        if self.prefetched is not None:  # the worker may still be filling from this matcher
+            self.prefetched[0].result()
+        child = GrammarState(self.matcher.deep_copy())
+        child.prefetched = self.prefetched
+        return child
 
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False if the grammar does not allow it (state is then an error)."""
@@ -48,11 +56,40 @@ class GrammarState:
 
 
 def _get_executor() -> "llguidance.LLExecutor":
-    global _executor
+    global _executor, _prefetch_pool
     with _executor_lock:
         if _executor is None:
             _executor = llguidance.LLExecutor()
+            _prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-grammar")
         return _executor
+
+
+def prefetch_masks(states: list[GrammarState], vocab_size: int) -> None:
+    """Start filling these states' next bitmasks in a worker thread, to overlap the forward pass
+    (llguidance releases the GIL); :func:`apply_grammar_masks` collects them. The states must not
+    advance before then, which holds within one engine step (sampling comes after the model)."""
+    _get_executor()
+    future = _prefetch_pool.submit(fill_bitmask, list(states), vocab_size)
+    for row, state in enumerate(states):
+        state.prefetched = (future, row)
+
+
+def _collect_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
+    """The states' bitmasks: prefetched rows where there are some, the others filled now."""
+    rows: list[torch.Tensor | None] = [None] * len(states)
+    for i, state in enumerate(states):
+        if state.prefetched is not None:
+            future, row = state.prefetched
+            rows[i] = future.result()[row]
+        state.prefetched = None  # the state advances next: a mask is good for one step only
+    missing = [i for i, row in enumerate(rows) if row is None]
+    if len(missing) == len(states):
+        return fill_bitmask(states, vocab_size)
+    if missing:
+        fresh = fill_bitmask([states[i] for i in missing], vocab_size)
+        for k, i in enumerate(missing):
+            rows[i] = fresh[k]
+    return torch.stack(rows)
 
 
 def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
@@ -83,7 +120,7 @@ def forbidden_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
     """Set every token the grammar forbids to ``-inf`` in ``logits[rows]`` (in place)."""
     vocab_size = logits.shape[1]
-    bitmask = fill_bitmask(states, vocab_size)
+    bitmask = _collect_bitmask(states, vocab_size)
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
     forbidden = forbidden_mask(bitmask, vocab_size)

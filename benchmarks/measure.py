@@ -76,6 +76,17 @@ def kv_usage(engine: Any) -> tuple[int, int]:
     return tokens, slots
 
 
+def reset_prefix_cache(engine: Any) -> bool:
+    """Forget every cached prefix of an idle engine (an ``EngineCore``), so that a repeat of the same prompts is
+    not served from the previous run's KV. Returns False if this engine has no way to do it."""
+    pool = getattr(getattr(engine, "kv", None), "pool", None)
+    reset = getattr(pool, "reset_prefix_cache", None)
+    if reset is None:
+        return False
+    reset()
+    return True
+
+
 @dataclass
 class StepRecorder:
     """Wraps ``engine.step`` (an ``EngineCore``) while installed; works for both fronts since ``LLM`` and the

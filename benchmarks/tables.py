@@ -1,14 +1,17 @@
-"""Markdown tables of the benchmark JSON, as pasted into docs/benchmarks.md.
+"""Markdown tables of the benchmark JSON, as in docs/benchmarks.md.
 
-    python -m benchmarks.tables [--results benchmarks/results]
+    python -m benchmarks.tables [--results benchmarks/results] [--update-doc docs/benchmarks.md]
 
 One table per workload whose JSON is in the folder; workloads without a dedicated table are skipped.
+``--update-doc`` rewrites what stands between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in the
+document (NAME: a workload, or ``machine`` for the machine and load averages of summary.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -97,28 +100,70 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 }
 
 
+def _section(results_dir: Path, name: str) -> str | None:
+    """One workload's table under a line giving its date and load average; None without its JSON."""
+    path = results_dir / f"{name}.json"
+    if not path.is_file():
+        return None
+    r = json.loads(path.read_text())
+    try:
+        body = TABLES[name](r)
+    except (KeyError, TypeError, ValueError) as e:  # a JSON of another shape (an older or newer script)
+        body = f"(no table: {type(e).__name__}: {e})"
+    machine = r.get("machine", {})
+    load = [machine.get("loadavg_start"), machine.get("loadavg_end")]
+    loads = " / ".join(f"{x[0]:.2f}" for x in load if x)
+    return f"Run {r.get('date', '?')}; load average (1 min) at start / end: {loads or '?'}.\n\n{body}"
+
+
+def machine_section(results_dir: Path) -> str | None:
+    path = results_dir / "summary.json"
+    if not path.is_file():
+        return None
+    s = json.loads(path.read_text())
+    m, git = s["machine"], s.get("git", {})
+    dirty = git.get("dirty_files")
+    rows = [["CPU", f"{m.get('cpu_model')}, {m.get('cpus_usable')} usable of {m.get('cpu_count')}"],
+            ["memory", f"{m.get('mem_total_gb')} GB"], ["torch", f"{m.get('torch_version')}, "
+                                                                 f"{m.get('torch_num_threads')} threads"],
+            ["transformers", str(m.get("transformers_version"))], ["Python", str(m.get("python_version"))],
+            ["platform", str(m.get("platform"))], ["suite run", f"{s.get('date')} (size {s.get('size')})"],
+            ["commit", f"{git.get('commit')}" + (f" + uncommitted {', '.join(dirty)}" if dirty else "")],
+            ["load average (1/5/15 min)", f"start {m.get('loadavg_start')}, end {m.get('loadavg_end')}"]]
+    return _table(["", ""], rows)
+
+
+def update_doc(doc: str | Path, results_dir: str | Path) -> list[str]:
+    """Fill the doc's marked result sections from the JSON; returns the names filled."""
+    text, filled = Path(doc).read_text(), []
+    for name in ["machine", *TABLES]:
+        content = machine_section(Path(results_dir)) if name == "machine" else _section(Path(results_dir), name)
+        pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
+        if content is not None and pattern.search(text):
+            text = pattern.sub(lambda m: m.group(1) + content + "\n" + m.group(2), text)
+            filled.append(name)
+    Path(doc).write_text(text)
+    return filled
+
+
 def markdown(results_dir: str | Path) -> str:
     """All tables, each under a heading with the run's date and load average."""
     parts = []
-    for name, render in TABLES.items():
-        path = Path(results_dir) / f"{name}.json"
-        if not path.is_file():
-            continue
-        r = json.loads(path.read_text())
-        try:
-            body = render(r)
-        except (KeyError, TypeError, ValueError) as e:  # a JSON of another shape (an older or newer script)
-            body = f"(no table: {type(e).__name__}: {e})"
-        load = r.get("machine", {}).get("loadavg_start")
-        note = f" (load average {load[0]:.2f} at start)" if load else ""
-        parts.append(f"### {r.get('benchmark', name)}: {r.get('date', '')}{note}\n\n{body}")
+    for name in TABLES:
+        section = _section(Path(results_dir), name)
+        if section is not None:
+            parts.append(f"### {name.replace('_', '-').upper()}\n\n{section}")
     return "\n\n".join(parts) + "\n"
 
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="benchmarks/results")
-    text = markdown(parser.parse_args(argv).results)
+    parser.add_argument("--update-doc", metavar="DOC", help="fill the marked result sections of this markdown file")
+    args = parser.parse_args(argv)
+    if args.update_doc:
+        print(f"filled in {args.update_doc}: {', '.join(update_doc(args.update_doc, args.results)) or 'nothing'}")
+    text = markdown(args.results)
     print(text)
     return text
 

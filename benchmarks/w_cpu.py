@@ -16,6 +16,7 @@ Latency, per request, from the run with the median wall time: time to first toke
 submission of all requests; inter-token latency = gaps between a request's consecutive tokens. Token times:
 asyncllm, the end of the engine step that produced the token (``EngineCore.step`` wrapped); hf-static, the end of
 each ``generate`` step of the request's batch (a streamer); hf-continuous, transformers' own per-token timestamps.
+asyncllm's prefix cache is emptied before each timed run (the repeats send the same prompts).
 Peak memory: what the engine adds to the process's peak RSS (benchmarks/measure.py ``MemoryMeter``).
 """
 
@@ -32,8 +33,8 @@ from typing import Any, Callable
 
 from benchmarks.common import Workload, build_cpu_llama, machine_info, measure_matmul_gflops, roofline, w_cpu_workload
 from benchmarks.measure import (
-    MEMORY_METHOD, MemoryMeter, RunResult, StepRecorder, fmt_ms, latency_report, loadavg, model_config, utc_now,
-    write_report,
+    MEMORY_METHOD, MemoryMeter, RunResult, StepRecorder, fmt_ms, latency_report, loadavg, model_config,
+    reset_prefix_cache, utc_now, write_report,
 )
 from benchmarks.peers import (  # noqa: F401 (re-exported: the peers used to live here)
     ENGINE_CB, ENGINE_STATIC, STATIC_BATCH_SIZE, Runner, make_cb_runner, make_static_runner,
@@ -73,13 +74,15 @@ def make_asyncllm_runner(model_dir: str, llm_kwargs: dict[str, Any]) -> Runner:
     def run(w: Workload, progress: bool) -> RunResult:
         prompts = [list(r.prompt_token_ids) for r in w.requests]
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in w.requests]
+        reset = reset_prefix_cache(llm.engine)  # repeats send the same prompts: none may start from the last run's KV
         recorder = StepRecorder(llm.engine)
         with recorder.installed():
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=progress)
             dt = time.perf_counter() - t0
         times = [recorder.token_times.get(o.request_id, []) for o in outs]
-        extra = {"kv_utilization": recorder.kv_utilization(), "engine_steps": len(recorder.step_s)}
+        extra = {"kv_utilization": recorder.kv_utilization(), "engine_steps": len(recorder.step_s),
+                 "prefix_cache_reset": reset}
         return RunResult(dt, [list(o.outputs[0].token_ids) for o in outs], t0, times, ASYNCLLM_TIMING, extra)
 
     run.engine = llm  # type: ignore[attr-defined]

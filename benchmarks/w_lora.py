@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks.common import DEFAULT_CACHE_DIR, build_cpu_llama, machine_info, w_cpu_workload
 from benchmarks.measure import (
-    StepRecorder, loadavg, model_config, split_latencies, summarize_ms, utc_now, write_report,
+    StepRecorder, loadavg, model_config, reset_prefix_cache, split_latencies, summarize_ms, utc_now, write_report,
 )
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,6 +56,7 @@ def run_once(llm, workload, loras) -> tuple[float, float, list[list[float]]]:
     from asyncllm import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload.requests]
+    reset_prefix_cache(llm.engine)  # base and LoRA runs send the same prompts: no run may reuse another's KV
     recorder = StepRecorder(llm.engine)
     with recorder.installed():
         start = time.perf_counter()

@@ -9,7 +9,8 @@ in the engine at once. Level ``c`` serves the first ``max(--min-requests, 4c)`` 
 the whole mix), which keeps concurrency 1 to a few seconds. Latency is the consumer's: TTFT from the request's own
 submission, ITL = gaps between its tokens. KV-cache utilization is sampled in the engine thread after every step:
 token slots whose KV is computed for the running sequences / token slots of the KV blocks held (``kv_blocks_used`` *
-``block_size``); reported as the per-step mean, the minimum and the token-weighted figure.
+``block_size``); reported as the per-step mean, the minimum and the token-weighted figure. The prefix cache is
+emptied before each level (the levels share requests).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from benchmarks.common import Workload, build_cpu_llama, machine_info, w_cpu_workload
 from benchmarks.measure import (
-    StepRecorder, fmt_ms, loadavg, model_config, summarize_ms, utc_now, write_report,
+    StepRecorder, fmt_ms, loadavg, model_config, reset_prefix_cache, summarize_ms, utc_now, write_report,
 )
 
 DEFAULT_LEVELS = (1, 4, 16, 64)
@@ -50,6 +51,7 @@ async def run_level(llm: Any, workload: Workload, concurrency: int, progress: bo
     """Serve ``workload`` with ``concurrency`` closed-loop clients; figures of the level."""
     from tqdm.auto import tqdm
 
+    reset_prefix_cache(llm.engine)  # levels share requests: none may start from an earlier level's KV
     queue = list(enumerate(workload.requests))
     results: list[Any] = [None] * len(queue)
     recorder = StepRecorder(llm.engine)

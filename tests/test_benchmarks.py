@@ -15,9 +15,11 @@ if str(ROOT) not in sys.path:  # benchmarks/ lives at the repository root, besid
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import __main__ as runner  # noqa: E402
-from benchmarks import w_lora  # noqa: E402
+from benchmarks import tables, w_lora  # noqa: E402
 from benchmarks.common import w_cpu_workload  # noqa: E402
-from benchmarks.measure import kv_utilization_summary, latency_report, summarize_ms  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
+    kv_utilization_summary, latency_report, reset_prefix_cache, summarize_ms,
+)
 from benchmarks.w_prefix import prefix_workload  # noqa: E402
 
 MINE = ("w_cpu", "w_prefix", "w_latency", "w_lora", "w_scale")
@@ -54,7 +56,18 @@ def test_runner_summary_tables_and_plots(suite):
         assert str(png) in summary["plots"]
     tables = (results / "summary.md").read_text()
     for title in ("W-CPU", "W-PREFIX", "W-LATENCY", "W-LORA", "W-SCALE"):
-        assert f"### {title}:" in tables
+        assert f"### {title}\n" in tables
+
+
+def test_tables_fill_the_marked_sections_of_a_doc(suite, tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("# x\n<!-- results:machine -->\nold\n<!-- /results:machine -->\ntext\n"
+                   "<!-- results:w_prefix -->\n<!-- /results:w_prefix -->\n<!-- results:w_json -->\nkept\n"
+                   "<!-- /results:w_json -->\n")
+    assert tables.update_doc(doc, suite["out"] / "results") == ["machine", "w_prefix"]
+    text = doc.read_text()
+    assert "old" not in text and "load average" in text and "| prefix-cache |" in text
+    assert "<!-- results:w_json -->\nkept\n" in text  # no JSON for it: left alone
 
 
 def test_w_cpu_counts_ratios_and_latency(suite):
@@ -77,6 +90,7 @@ def test_w_cpu_counts_ratios_and_latency(suite):
         assert e["itl_ms"]["count"] == workload.output_tokens - len(workload.requests)
         assert 0 < e["ttft_ms"]["p50"] <= e["ttft_ms"]["p99"] <= 1000 * e["median_wall_s"]
         assert e["memory"]["peak_rss_delta_mb"] is not None and e["memory"]["method"]
+    assert all(run["prefix_cache_reset"] for run in res["asyncllm"]["runs"])
     assert 0 < res["asyncllm"]["kv_utilization"]["weighted"] <= 1
     assert set(r["latency_measurement"]) >= {"asyncllm", "hf-static", "hf-continuous", "definition"}
     assert r["roofline"]["matmul_gflops"] == 100  # pinned by the tiny size
@@ -142,6 +156,20 @@ def test_measure_helpers():
     assert summarize_ms([])["p50"] is None
     assert kv_utilization_summary([(30, 32), (10, 16)]) == {"mean": 0.7812, "min": 0.625, "weighted": 0.8333,
                                                              "samples": 2}
+
+
+def test_reset_prefix_cache_makes_a_repeat_start_cold(llama_dir):
+    from asyncllm import LLM, SamplingParams
+
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu")
+    prompt, params = [list(range(10, 60))], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate(prompt, params)
+    assert reset_prefix_cache(llm.engine)
+    hits = llm.stats()["prefix_cache_hits"]
+    llm.generate(prompt, params)
+    assert llm.stats()["prefix_cache_hits"] == hits
+    llm.generate(prompt, params)  # without a reset the same prompt is served from the cache
+    assert llm.stats()["prefix_cache_hits"] > hits
 
 
 def test_runner_skips_what_cannot_run_and_rejects_unknown_names():

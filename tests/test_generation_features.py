@@ -78,3 +78,15 @@ def test_incremental_detokenizer_never_breaks_multibyte_characters(llm):
 
 def test_engine_text_equals_full_decode(llm, free_run):
     assert free_run.text == llm.tokenizer.decode(free_run.token_ids, skip_special_tokens=True)
+
+
+def test_output_text_never_starts_with_the_prompts_broken_bytes(llm):
+    """A prompt ending inside a multi-byte character: the output's text is its own tokens' text."""
+    from asyncllm.frontend.detokenizer import IncrementalDetokenizer
+
+    emoji = llm.tokenizer.encode("𝄞")  # not in the training corpus: several byte tokens
+    assert len(emoji) > 1
+    prompt, output = emoji[:1], emoji[1:] + llm.tokenizer.encode(" ok")
+    detok = IncrementalDetokenizer(llm.tokenizer, [5, 6] + prompt, skip_special_tokens=True)
+    text = "".join(detok.step(t) for t in output)
+    assert text == llm.tokenizer.decode(output)

@@ -12,15 +12,16 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+        prompt_ids = _clean_context(tokenizer, prompt_ids)
         self._tokenizer = tokenizer
         self._stream = None
         if backend is not None:
             from tokenizers.decoders import DecodeStream
 
             self._backend = backend
-            self._stream = DecodeStream(ids=list(prompt_ids[-8:]), skip_special_tokens=skip_special_tokens)
+            self._stream = DecodeStream(ids=prompt_ids, skip_special_tokens=skip_special_tokens)
         else:  # slow tokenizer: decode a short window and diff (vLLM's prefix/read offsets)
-            self._ids = list(prompt_ids[-8:])
+            self._ids = list(prompt_ids)
             self._prefix, self._read = 0, len(self._ids)
             self._skip = skip_special_tokens
 
@@ -36,6 +37,16 @@ class IncrementalDetokenizer:
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return after[len(before):]
+
+
+def _clean_context(tokenizer, prompt_ids: list[int], size: int = 8) -> list[int]:
+    """The prompt's last tokens, as left context for the decoder (leading spaces of SentencePiece
+    tokens depend on it), or none if they end inside a multi-byte character: the output's text
+    must not begin with the rest of a character that belongs to the prompt."""
+    tail = list(prompt_ids[-size:])
+    if tail and tokenizer.decode(tail).endswith("\ufffd"):
+        return []
+    return tail
 
 
 class StopStringMatcher:

@@ -132,22 +132,36 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"date": utc_now(), "size": args.size, "workloads": {}, "plots": [],
-                               "machine": {**machine_info(), "loadavg_start": loadavg()}}
+    summary: dict[str, Any] = {"date": utc_now(), "size": args.size, "git": git_state(), "workloads": {},
+                               "plots": [], "machine": {**machine_info(), "loadavg_start": loadavg()}}
     runnable = [(n, skip_reason(n)) for n in args.names]
     todo = [n for n, why in runnable if why is None]
-    for name, why in runnable:  # in suite order; filled in as each one runs
+    for name, why in runnable:
         summary["workloads"][name] = {"status": "skipped", "reason": why} if why else {"status": "not run"}
     for i, name in enumerate(todo, 1):
         print(f"\n== [{i}/{len(todo)}] {name} ({args.size}) ==", flush=True)
-        summary["workloads"][name] = run_one(name, args.size, out, args.model_dir)
-        print(f"== [{i}/{len(todo)}] {name}: {summary['workloads'][name]['status']} in "
-              f"{summary['workloads'][name]['seconds']:.0f}s ==", flush=True)
+        entry = {"date": utc_now(), "size": args.size, "loadavg_start": loadavg()}
+        entry.update(run_one(name, args.size, out, args.model_dir), loadavg_end=loadavg())
+        summary["workloads"][name] = entry
+        print(f"== [{i}/{len(todo)}] {name}: {entry['status']} in {entry['seconds']:.0f}s ==", flush=True)
+    summary["workloads"] = _merged(out, summary["workloads"])
     summary["machine"]["loadavg_end"] = loadavg()
     _write_outputs(args, out, summary)
     print_summary(summary)
-    failed = [n for n, e in summary["workloads"].items() if e["status"] not in ("ok", "skipped")]
+    failed = [n for n in args.names if summary["workloads"][n]["status"] not in ("ok", "skipped")]
     return 1 if failed else 0
+
+
+def _merged(out: Path, current: dict[str, Any]) -> dict[str, Any]:
+    """This run's entries, plus those of earlier runs into the same folder whose JSON is still there (a run with
+    --only keeps the others' record), in suite order."""
+    try:
+        previous = json.loads((out / "summary.json").read_text()).get("workloads", {})
+    except (OSError, ValueError):
+        previous = {}
+    kept = {n: e for n, e in previous.items() if n not in current and e.get("json") and Path(e["json"]).is_file()}
+    both = {**kept, **current}
+    return {n: both[n] for n in WORKLOADS if n in both}
 
 
 def _write_outputs(args: argparse.Namespace, out: Path, summary: dict[str, Any]) -> None:

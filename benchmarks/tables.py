@@ -110,10 +110,19 @@ def _section(results_dir: Path, name: str) -> str | None:
         body = TABLES[name](r)
     except (KeyError, TypeError, ValueError) as e:  # a JSON of another shape (an older or newer script)
         body = f"(no table: {type(e).__name__}: {e})"
-    machine = r.get("machine", {})
-    load = [machine.get("loadavg_start"), machine.get("loadavg_end")]
+    machine, entry = r.get("machine", {}), _summary_entry(results_dir, name)  # the runner's record if the JSON
+    load = [machine.get("loadavg_start") or entry.get("loadavg_start"),   # has no date or load of its own
+            machine.get("loadavg_end") or entry.get("loadavg_end")]
     loads = " / ".join(f"{x[0]:.2f}" for x in load if x)
-    return f"Run {r.get('date', '?')}; load average (1 min) at start / end: {loads or '?'}.\n\n{body}"
+    date = r.get("date") or entry.get("date", "?")
+    return f"Run {date}; load average (1 min) at start / end: {loads or '?'}.\n\n{body}"
+
+
+def _summary_entry(results_dir: Path, name: str) -> dict[str, Any]:
+    try:
+        return json.loads((results_dir / "summary.json").read_text())["workloads"].get(name, {})
+    except (OSError, ValueError, KeyError):
+        return {}
 
 
 def machine_section(results_dir: Path) -> str | None:

@@ -59,6 +59,24 @@ def test_runner_summary_tables_and_plots(suite):
         assert f"### {title}\n" in tables
 
 
+def test_a_partial_rerun_keeps_the_other_workloads_in_the_summary(suite, tmp_path):
+    import shutil
+
+    results = tmp_path / "results"
+    shutil.copytree(suite["out"] / "results", results)
+    before = json.loads((results / "summary.json").read_text())["workloads"]
+    for entry in before.values():  # the copies stand in for the originals
+        entry["json"] = str(results / Path(entry["json"]).name)
+    (results / "summary.json").write_text(json.dumps({"workloads": before}))
+    assert runner.main(["--size", "tiny", "--only", "w_latency", "--model-dir", str(suite["model_dir"]),
+                        "--out", str(results), "--plots", ""]) == 0
+    after = json.loads((results / "summary.json").read_text())
+    assert list(after["workloads"]) == list(MINE)
+    assert after["workloads"]["w_cpu"] == before["w_cpu"]
+    assert after["workloads"]["w_latency"]["date"] >= before["w_latency"]["date"]
+    assert after["git"]["commit"]
+
+
 def test_tables_fill_the_marked_sections_of_a_doc(suite, tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("# x\n<!-- results:machine -->\nold\n<!-- /results:machine -->\ntext\n"

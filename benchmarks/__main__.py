@@ -74,7 +74,7 @@ def run_one(name: str, size: str, out_dir: Path, model_dir: str | None) -> dict[
         traceback.print_exc()
         entry["status"] = f"error: {type(e).__name__}: {e}"
     entry["seconds"] = round(time.perf_counter() - t0, 1)
-    entry["json"] = str(json_path) if json_path.is_file() else None
+    entry["json"] = json_path.name if json_path.is_file() else None  # beside summary.json
     gc.collect()  # drop the workload's engines before the next one
     return entry
 
@@ -159,9 +159,17 @@ def _merged(out: Path, current: dict[str, Any]) -> dict[str, Any]:
         previous = json.loads((out / "summary.json").read_text()).get("workloads", {})
     except (OSError, ValueError):
         previous = {}
-    kept = {n: e for n, e in previous.items() if n not in current and e.get("json") and Path(e["json"]).is_file()}
+    kept = {n: e for n, e in previous.items() if n not in current and e.get("json") and (out / e["json"]).is_file()}
     both = {**kept, **current}
     return {n: both[n] for n in WORKLOADS if n in both}
+
+
+def _shown(path: Path) -> str:
+    """A path relative to the checkout when inside it (summary.json is committed with the figures)."""
+    try:
+        return str(path.resolve().relative_to(HERE.parent))
+    except ValueError:
+        return str(path)
 
 
 def _write_outputs(args: argparse.Namespace, out: Path, summary: dict[str, Any]) -> None:
@@ -172,7 +180,7 @@ def _write_outputs(args: argparse.Namespace, out: Path, summary: dict[str, Any])
         try:
             from benchmarks.plots import make_plots
 
-            summary["plots"] = [str(p) for p in make_plots(out, args.plots, names=list(WORKLOADS))]
+            summary["plots"] = [_shown(p) for p in make_plots(out, args.plots, names=list(WORKLOADS))]
         except Exception as e:  # noqa: BLE001 - matplotlib missing, say: the figures are in the JSON anyway
             print(f"plots: not made ({type(e).__name__}: {e})", file=sys.stderr)
     (out / "summary.md").write_text(markdown(out))

@@ -136,9 +136,9 @@ def machine_section(results_dir: Path) -> str | None:
             ["memory", f"{m.get('mem_total_gb')} GB"], ["torch", f"{m.get('torch_version')}, "
                                                                  f"{m.get('torch_num_threads')} threads"],
             ["transformers", str(m.get("transformers_version"))], ["Python", str(m.get("python_version"))],
-            ["platform", str(m.get("platform"))], ["suite run", f"{s.get('date')} (size {s.get('size')})"],
+            ["platform", str(m.get("platform"))], ["last suite run", f"{s.get('date')} (size {s.get('size')})"],
             ["commit", f"{git.get('commit')}" + (f" + uncommitted {', '.join(dirty)}" if dirty else "")],
-            ["load average (1/5/15 min)", f"start {m.get('loadavg_start')}, end {m.get('loadavg_end')}"]]
+            ["load average (1/5/15 min), last run", f"start {m.get('loadavg_start')}, end {m.get('loadavg_end')}"]]
     return _table(["", ""], rows)
 
 

@@ -47,32 +47,30 @@ def test_llama3_rope_scaling_matches_transformers(model_dirs):
     assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])
 
 
-def test_missing_weight_is_named(tmp_path, model_dirs):
+def _with_edited_weights(source, target, edit):
+    """A copy of checkpoint ``source`` in ``target`` whose tensors went through ``edit(dict)``."""
     from safetensors.torch import load_file, save_file
 
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in model_dirs["llama"].iterdir():
+    target.mkdir()
+    for f in source.iterdir():
         if f.suffix != ".safetensors":
-            (broken / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(model_dirs["llama"] / "model.safetensors")
-    del tensors["model.layers.1.self_attn.k_proj.weight"]
-    save_file(tensors, broken / "model.safetensors")
+            (target / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, target / "model.safetensors")
+    return target
+
+
+def test_missing_weight_is_named(tmp_path, model_dirs):
+    broken = _with_edited_weights(model_dirs["llama"], tmp_path / "broken",
+                                  lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
     with pytest.raises(ModelLoadError, match="layers.1.self_attn.qkv_proj.weight"):
         LLM(str(broken))
 
 
 def test_shape_mismatch_is_named(tmp_path, model_dirs):
-    from safetensors.torch import load_file, save_file
-
-    broken = tmp_path / "mismatch"
-    broken.mkdir()
-    for f in model_dirs["llama"].iterdir():
-        if f.suffix != ".safetensors":
-            (broken / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(model_dirs["llama"] / "model.safetensors")
-    tensors["model.norm.weight"] = torch.ones(3)
-    save_file(tensors, broken / "model.safetensors")
+    broken = _with_edited_weights(model_dirs["llama"], tmp_path / "mismatch",
+                                  lambda t: t.update({"model.norm.weight": torch.ones(3)}))
     with pytest.raises(ModelLoadError, match="model.norm.weight"):
         LLM(str(broken))
 

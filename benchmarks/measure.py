@@ -235,6 +235,13 @@ def loadavg() -> list[float] | None:
         return None
 
 
+def machine_record(load_start: list[float] | None) -> dict[str, Any]:
+    """The machine (see common.machine_info) with the load average at the start and now."""
+    from benchmarks.common import machine_info
+
+    return {**machine_info(), "loadavg_start": load_start, "loadavg_end": loadavg()}
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 

@@ -16,8 +16,8 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import build_cpu_llama, machine_info
-from benchmarks.measure import loadavg, model_config, percentile, utc_now, write_report
+from benchmarks.common import build_cpu_llama
+from benchmarks.measure import loadavg, machine_record, model_config, percentile, utc_now, write_report
 
 SIZES = {"full": [], "quick": ["--requests", "5"],
          "tiny": ["--requests", "2", "--prompt-len", "8", "--output-len", "6"]}
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     load_start = loadavg()
     model_dir = args.model_dir or str(build_cpu_llama())
     result = asyncio.run(measure(model_dir, args.requests, args.prompt_len, args.output_len))
-    result["machine"] = {**machine_info(), "loadavg_start": load_start, "loadavg_end": loadavg()}
+    result["machine"] = machine_record(load_start)
     result["command"] = "python -m benchmarks.w_latency " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"W-LATENCY ({args.requests} requests, {args.prompt_len} prompt / {args.output_len} output tokens)")
     print(f"  time to first token  p50 {result['ttft_ms']['p50']:8.2f} ms   p99 {result['ttft_ms']['p99']:8.2f} ms")

@@ -14,9 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_CACHE_DIR, build_cpu_llama, machine_info, w_cpu_workload
+from benchmarks.common import DEFAULT_CACHE_DIR, build_cpu_llama, w_cpu_workload
 from benchmarks.measure import (
     StepRecorder, loadavg, model_config, reset_prefix_cache, split_latencies, summarize_ms, utc_now, write_report,
+    machine_record,
 )
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     load_start = loadavg()
     result = measure(args.model_dir or str(build_cpu_llama()), args.scale, args.adapters, args.rank, args.repeats,
                      args.adapter_dir)
-    result["machine"] = {**machine_info(), "loadavg_start": load_start, "loadavg_end": loadavg()}
+    result["machine"] = machine_record(load_start)
     result["command"] = "python -m benchmarks.w_lora " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"W-LORA: base {result['base_tokens_per_s']:.0f} tok/s, {args.adapters} adapters "
           f"{result['lora_tokens_per_s']:.0f} tok/s = {100 * result['lora_vs_base']:.0f}% of base")

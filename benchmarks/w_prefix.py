@@ -24,9 +24,10 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common import Request, Workload, _scaled, build_cpu_llama, machine_info
+from benchmarks.common import Request, Workload, _scaled, build_cpu_llama
 from benchmarks.measure import (
     MEMORY_METHOD, MemoryMeter, RunResult, fmt_ms, latency_report, loadavg, model_config, split_latencies,
+    machine_record,
     summarize_ms, utc_now, write_report,
 )
 
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["latency_measurement"] = LATENCY_METHOD
     report["memory_measurement"] = MEMORY_METHOD
     report["model"] = {"dir": model_dir, "config": model_config(model_dir), "dtype": "float32"}
-    report["machine"] = {**machine_info(), "loadavg_start": load_start, "loadavg_end": loadavg()}
+    report["machine"] = machine_record(load_start)
     print_table(report)
     write_report(args.json, report)
     return report

@@ -164,5 +164,7 @@ class LlamaFamilyModel(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.shape.tie_word_embeddings else self.lm_head.weight
-        return nn.functional.linear(hidden, weight)
+        head = getattr(self, "lm_head", None)  # tied models get one only when the CPU path packs it
+        if head is not None:
+            return head(hidden)
+        return nn.functional.linear(hidden, self.model.embed_tokens.weight)

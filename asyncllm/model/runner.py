@@ -12,6 +12,7 @@ from ..adapters.slots import LoRASlots
 from ..config import EngineConfig
 from ..engine.scheduler import ScheduledBatch
 from ..errors import ConfigError
+from ..kernels.cpu_linear import pack_linear_layers, packing_supported
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
@@ -78,10 +79,18 @@ class ModelRunner:
             model = LlamaFamilyModel(self.shape, rotary, self.backend, self.lora).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
         load_weights(self.model, root)
+        self._pack_cpu_linears()
         rotary.build(self.device, self.dtype)
         self.num_blocks = self._count_blocks(config, max_model_len)
         self.kv_caches = self._allocate_kv_caches()
         self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
+
+    def _pack_cpu_linears(self) -> None:
+        """On CPU, hand every projection (and the LM head) to oneDNN with pre-packed weights."""
+        if not packing_supported(self.device, self.dtype):
+            return
+        tied = {"lm_head": self.model.model.embed_tokens.weight} if self.shape.tie_word_embeddings else None
+        pack_linear_layers(self.model, extra=tied)
 
     @property
     def bytes_per_block(self) -> int:

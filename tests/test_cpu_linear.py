@@ -1,0 +1,69 @@
+"""The CPU path's oneDNN-packed linear layers: same results as nn.Linear, used by the engine on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.kernels.cpu_linear import ENV_SWITCH, PackedLinear, pack_linear_layers, packing_supported
+
+pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32),
+                                reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear.from_linear(linear)
+    x = torch.randn(rows, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+        # a strided input (a column slice) and a 3-d input
+        wide = torch.randn(rows, 96)[:, :48]
+        torch.testing.assert_close(packed(wide), F.linear(wide, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed(x.view(1, rows, 48)), linear(x).view(1, rows, 80), rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.weight, linear.weight.detach())
+
+
+def test_pack_linear_layers_replaces_every_linear_and_adds_extra_heads():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(16, 4)))
+    embedding = torch.randn(32, 4)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    assert pack_linear_layers(model, extra={"head": embedding}) == 3
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    with torch.inference_mode():
+        torch.testing.assert_close(model[2](model[1](model[0](x))), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.head(expected), (expected @ embedding.T).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_is_cpu_float_only(monkeypatch):
+    assert not packing_supported(torch.device("cpu"), torch.float16)
+    assert not packing_supported(torch.device("meta"), torch.float32)
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert not packing_supported(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied and tied LM heads
+def test_engine_packs_its_projections_and_output_is_unchanged(kind, model_dirs, monkeypatch):
+    prompts = [[5, 17, 42, 99, 3], [7] * 12, list(range(20, 45))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    packed_llm = LLM(str(model_dirs[kind]), dtype="float32")
+    model = packed_llm.engine.runner.model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, PackedLinear)
+    assert isinstance(layer.mlp.down_proj, PackedLinear)
+    assert isinstance(model.lm_head, PackedLinear)
+    packed_tokens = [o.outputs[0].token_ids for o in packed_llm.generate(prompts, params)]
+
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    plain_llm = LLM(str(model_dirs[kind]), dtype="float32")
+    assert isinstance(plain_llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+    plain_tokens = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
+    assert packed_tokens == plain_tokens

@@ -8,7 +8,7 @@ from typing import Any
 from .errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 @dataclass

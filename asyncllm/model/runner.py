@@ -12,6 +12,7 @@ from ..adapters.slots import LoRASlots
 from ..config import EngineConfig
 from ..engine.scheduler import ScheduledBatch
 from ..errors import ConfigError
+from ..kernels.cpu_attention import CpuAttentionBackend, cpu_kernels_available
 from ..kernels.cpu_linear import pack_linear_layers, packing_supported
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import triton_ops
@@ -50,13 +51,26 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if stored == torch.float32 else stored
 
 
-def select_backend(name: str, device: torch.device, shape: DecoderShape):
-    """``auto``: the Triton kernels on CUDA (when triton is installed), the torch reference elsewhere;
-    ``triton`` forces the kernels (on CPU only under TRITON_INTERPRET=1); ``torch`` forces the reference."""
+def select_backend(name: str, device: torch.device, shape: DecoderShape, dtype: torch.dtype = torch.float32):
+    """``auto``: the Triton kernels on CUDA (when triton is installed); on CPU in float32 the C decode
+    kernel (when a C compiler could build it), else the torch reference. ``triton`` forces the kernels
+    (on CPU only under TRITON_INTERPRET=1); ``cpu`` forces the C kernel; ``torch`` forces the reference."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda" and triton_available():
+            name = "triton"
+        elif device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available():
+            name = "cpu"
+        else:
+            name = "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ConfigError(f"attention_backend='cpu' runs float32 on the CPU, not {dtype} on {device.type}")
+        if not cpu_kernels_available():
+            raise ConfigError("attention_backend='cpu' needs a C compiler to build its kernel (see the log), "
+                              "or set ASYNCLLM_CPU_KERNELS=1 if it was turned off; use 'torch' instead")
+        return CpuAttentionBackend()
     check_triton_device(device)
     from ..kernels.triton_attention import TritonAttentionBackend  # imports triton: only when asked for
 
@@ -71,7 +85,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.block_size = config.block_size
         self.shape = DecoderShape.from_hf_config(hf_config)
-        self.backend = select_backend(config.attention_backend, self.device, self.shape)
+        self.backend = select_backend(config.attention_backend, self.device, self.shape, self.dtype)
         inv_freq, scaling = rope_frequencies(hf_config, self.shape.head_dim)
         rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
         self.lora = LoRASlots(self.shape, config.max_loras, config.max_lora_rank, self.device, self.dtype)

@@ -1,0 +1,102 @@
+"""The CPU attention backend: decodes through the C kernel in ``csrc/paged_decode.c``, prefills through SDPA.
+
+Decoding is where the torch reference loses most on CPU: it gathers every sequence's blocks into a
+contiguous copy (``index_select``) and then reads that copy again in SDPA. The kernel reads the
+blocks in place, once per KV head. Prefill chunks stay on SDPA, whose flash kernel is faster than a
+scalar loop for many query tokens; both share the reference's KV write.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .cpu_build import load_library
+from .metadata import AttentionMetadata
+from .torch_attention import TorchAttentionBackend
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass
+class _Decodes:
+    """The step's decoding sequences, prepared once for all layers."""
+
+    rows: torch.Tensor  # [n] int64: query/output row of each decode in the flattened batch
+    seqs: torch.Tensor  # [n] int64: its sequence index in the batch (row of block_tables / seq_lens)
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = load_library("paged_decode")
+    if lib is not None and lib.paged_decode_f32.argtypes is None:
+        lib.paged_decode_f32.argtypes = [
+            _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+            _ptr, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_int]
+        lib.paged_decode_f32.restype = ctypes.c_int
+    return lib
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the C decode kernel could be built and loaded on this machine."""
+    return _library() is not None
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, scale: float,
+                 out: torch.Tensor) -> None:
+    """Attention of one query token per decoding sequence over its cached keys/values, written into ``out``.
+
+    query/out: [tokens, heads, head_dim] float32 (rows ``rows`` are read/written); caches:
+    [num_blocks, block_size, kv_heads, head_dim] contiguous; block_tables: [seqs, max_blocks] int64;
+    seq_lens: [seqs] int64; rows/seqs: [n] int64 (decode i uses query row ``rows[i]`` and sequence
+    ``seqs[i]``).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU decode kernel is not available on this machine")
+    for name, t in (("query", query), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("rows", rows), ("seqs", seqs)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous int64 tensor")
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    failed = lib.paged_decode_f32(
+        query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim, query.shape[1],
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(),
+        rows.numel(), scale, torch.get_num_threads())
+    if failed:
+        raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Paged attention for float32 on CPU: the C kernel for decodes, SDPA for prefill chunks."""
+
+    name = "cpu"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        idx = meta.decode_indices
+        device = meta.block_tables.device
+        meta.backend_state = _Decodes(
+            rows=torch.tensor([meta.query_start[i] for i in idx], dtype=torch.int64, device=device),
+            seqs=torch.tensor(idx, dtype=torch.int64, device=device))
+
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        output = torch.empty_like(query)
+        if meta.backend_state is None:
+            self.prepare(meta)
+        decodes = meta.backend_state
+        if decodes.rows.numel():
+            paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, decodes.rows,
+                         decodes.seqs, scale, output)
+        for i in meta.prefill_indices:
+            self._prefill(i, query, k_cache, v_cache, meta, scale, output)
+        return output

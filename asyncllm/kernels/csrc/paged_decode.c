@@ -1,0 +1,130 @@
+/* Paged attention for decoding tokens on the CPU: one query token per sequence, keys and values
+ * read in place from the paged KV cache (no gather into a contiguous copy first).
+ *
+ * Work is split over (sequence, KV head) pairs with OpenMP. Each pair computes the scores of the
+ * query heads that share its KV head (grouped-query attention) against every cached key, a
+ * softmax, then the weighted sum of the values. Every key and value row is therefore read once
+ * per KV head, which is what makes this memory-bound loop cheap: the torch reference first copies
+ * the blocks (index_select), then reads the copy again in SDPA.
+ *
+ * Built at run time by asyncllm/kernels/cpu_build.py and called through ctypes: the interface is
+ * plain pointers, strides in elements, and int64 index arrays.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Vector variants of expf from glibc's libmvec; glibc's header only declares them under
+ * -ffast-math, which we avoid because it would change rounding everywhere else. */
+__attribute__((simd("notinbranch"))) float expf(float);
+
+static __thread float *scratch = NULL;
+static __thread size_t scratch_len = 0;
+
+static float *scratch_floats(size_t n) {
+    if (n > scratch_len) {
+        free(scratch);
+        scratch = (float *)malloc(n * sizeof(float));
+        scratch_len = scratch ? n : 0;
+    }
+    return scratch;
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* One work item: a decode's query heads that share KV heads [kv0, kv0 + nkv). Always inlined into
+ * call sites with a constant head_dim, so the compiler unrolls the dot products.
+ * Rows of query head qh = (kv0 + j) * group + g go to scores[(j * group + g) * len + t]; the
+ * heads' outputs are accumulated in acc[(j * group + g) * head_dim + i]. */
+static inline __attribute__((always_inline)) void decode_item(
+        const float *q, int64_t q_head_stride, float *out, int64_t out_head_stride,
+        const float *k_base, const float *v_base, const int64_t *table, int64_t len, int64_t block_size,
+        int64_t token_stride, const int64_t head_dim, int64_t group, int64_t nkv, float scale, float *scores) {
+    const int64_t rows = nkv * group;
+    float *acc = scores + rows * len;
+    /* Block by block (no division per token); within a block the tokens' KV heads are contiguous,
+     * so the reads stream through memory. */
+    for (int64_t start = 0; start < len; start += block_size) {
+        const float *k = k_base + table[start / block_size] * block_size * token_stride;
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        for (int64_t o = 0; o < n; o++, k += token_stride)
+            for (int64_t j = 0; j < nkv; j++)
+                for (int64_t g = 0; g < group; g++)
+                    scores[(j * group + g) * len + start + o] =
+                        dot(q + (j * group + g) * q_head_stride, k + j * head_dim, head_dim) * scale;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * len;
+        float max = s[0];
+        for (int64_t t = 1; t < len; t++) max = s[t] > max ? s[t] : max;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            s[t] = expf(s[t] - max);
+            sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+    memset(acc, 0, (size_t)(rows * head_dim) * sizeof(float));
+    for (int64_t start = 0; start < len; start += block_size) {
+        const float *v = v_base + table[start / block_size] * block_size * token_stride;
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        for (int64_t o = 0; o < n; o++, v += token_stride)
+            for (int64_t j = 0; j < nkv; j++)
+                for (int64_t g = 0; g < group; g++) {
+                    const float p = scores[(j * group + g) * len + start + o];
+                    float *a = acc + (j * group + g) * head_dim;
+                    const float *vj = v + j * head_dim;
+#pragma omp simd
+                    for (int64_t i = 0; i < head_dim; i++) a[i] += p * vj[i];
+                }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(out + r * out_head_stride, acc + r * head_dim, (size_t)head_dim * sizeof(float));
+}
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated. */
+int paged_decode_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride,
+                     float *out, int64_t out_tok_stride, int64_t out_head_stride,
+                     const float *k_cache, const float *v_cache, int64_t block_size,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t num_heads,
+                     const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                     const int64_t *rows, const int64_t *seqs, int64_t num_decodes,
+                     float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;  /* between consecutive cache slots */
+    /* Whole decodes per work item when there are enough of them to keep every thread busy
+     * (contiguous reads); otherwise one KV head per item, so a few long sequences still spread. */
+    const int64_t nkv = num_decodes >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
+    const int64_t per_decode = num_kv_heads / nkv;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t item = 0; item < num_decodes * per_decode; item++) {
+        const int64_t d = item / per_decode, kv0 = (item % per_decode) * nkv;
+        const int64_t row = rows[d], seq = seqs[d], len = seq_lens[seq];
+        float *scores = scratch_floats((size_t)(nkv * group * (len + head_dim)));
+        if (!scores) { failed = 1; continue; }
+        const float *qh = q + row * q_tok_stride + kv0 * group * q_head_stride;
+        float *oh = out + row * out_tok_stride + kv0 * group * out_head_stride;
+        const float *k_base = k_cache + kv0 * head_dim, *v_base = v_cache + kv0 * head_dim;
+        const int64_t *table = block_tables + seq * table_stride;
+#define DECODE_ITEM(D) decode_item(qh, q_head_stride, oh, out_head_stride, k_base, v_base, table, len, \
+                                   block_size, token_stride, D, group, nkv, scale, scores)
+        switch (head_dim) {  /* the common head sizes get unrolled copies */
+            case 64: DECODE_ITEM(64); break;
+            case 128: DECODE_ITEM(128); break;
+            default: DECODE_ITEM(head_dim); break;
+        }
+#undef DECODE_ITEM
+    }
+    return failed;
+}

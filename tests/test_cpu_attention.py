@@ -1,0 +1,111 @@
+"""The CPU attention backend (C decode kernel + SDPA prefill) equals the torch reference, and its build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.errors import ConfigError
+from asyncllm.kernels import cpu_build
+from asyncllm.kernels.cpu_attention import CpuAttentionBackend, cpu_kernels_available, paged_decode
+from kernel_cases import DEVICE, paged_batch, reference_attention
+
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler to build the CPU kernels"),
+    pytest.mark.skipif(DEVICE.type != "cpu", reason="kernel_cases builds CUDA batches on a GPU machine"),
+]
+
+# (cached, new) per sequence: decodes of many lengths (1 token, exact block multiples, long), with
+# prefills and a chunked prefill mixed in.
+MIXED = [(0, 1), (37, 1), (0, 23), (15, 1), (16, 1), (13, 9), (70, 1), (200, 1)]
+
+
+def cpu_batch(specs, heads, kv_heads, head_dim, block_size, seed=0):
+    return paged_batch(specs, heads, kv_heads, head_dim, block_size, torch.float32, seed=seed)
+
+
+def run_backend(batch):
+    backend = CpuAttentionBackend()
+    meta = batch.meta()
+    backend.prepare(meta)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    backend.write_kv(batch.key, batch.value, k_cache, v_cache, meta)
+    return backend.forward(batch.query, k_cache, v_cache, meta, batch.query.shape[-1] ** -0.5), k_cache, v_cache
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    pytest.param(4, 4, 32, 4, id="mha-d32-bs4"),
+    pytest.param(8, 2, 64, 16, id="gqa4-d64-bs16"),
+    pytest.param(8, 1, 128, 16, id="mqa-d128-bs16"),
+    pytest.param(6, 2, 48, 8, id="gqa3-d48-bs8"),   # a head size without its own unrolled copy
+])
+def test_mixed_batch_equals_reference(heads, kv_heads, head_dim, block_size):
+    batch = cpu_batch(MIXED, heads, kv_heads, head_dim, block_size)
+    out, k_cache, v_cache = run_backend(batch)
+    ref = reference_attention(batch, k_cache, v_cache, head_dim ** -0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_decodes", [1, 3, 40])  # one KV head per work item, and whole decodes per item
+def test_decode_work_splits_equal_reference(num_decodes, threads):
+    specs = [(5 + 11 * i % 97, 1) for i in range(num_decodes)]
+    batch = cpu_batch(specs, 8, 2, 64, 16, seed=num_decodes)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, k_cache, v_cache = run_backend(batch)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, reference_attention(batch, k_cache, v_cache, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_paged_decode_rejects_bad_tensors():
+    q = torch.zeros(1, 2, 8)
+    cache = torch.zeros(2, 4, 1, 8)
+    ints = torch.zeros(1, dtype=torch.int64)
+    tables = torch.zeros(1, 1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="query must be a float32"):
+        paged_decode(q.double(), cache, cache, tables, ints + 1, ints, ints, 1.0, q.clone())
+    with pytest.raises(TypeError, match="seq_lens must be a contiguous int64"):
+        paged_decode(q, cache, cache, tables, (ints + 1).int(), ints, ints, 1.0, q.clone())
+    with pytest.raises(ValueError, match="k_cache and v_cache must be contiguous"):
+        paged_decode(q, cache.transpose(0, 1), cache, tables, ints + 1, ints, ints, 1.0, q.clone())
+
+
+def test_build_is_cached_and_reports_a_missing_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCLLM_CACHE_DIR", str(tmp_path))
+    first = cpu_build.build("paged_decode")
+    mtime = first.stat().st_mtime_ns
+    assert cpu_build.build("paged_decode") == first and first.stat().st_mtime_ns == mtime  # no rebuild
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+    monkeypatch.setenv("ASYNCLLM_CACHE_DIR", str(tmp_path / "other"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(cpu_build.BuildError, match="cannot run the C compiler"):
+        cpu_build.build("paged_decode")
+
+
+def test_engine_picks_the_cpu_backend_and_matches_the_reference(model_dirs):
+    prompts = [[5, 17, 42, 99, 3] * 9, [7] * 3, list(range(20, 61))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    auto = LLM(str(model_dirs["qwen3"]), dtype="float32", block_size=4)
+    assert auto.engine.runner.backend.name == "cpu"
+    reference = LLM(str(model_dirs["qwen3"]), dtype="float32", block_size=4, attention_backend="torch")
+    assert [o.outputs[0].token_ids for o in auto.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+
+
+def test_cpu_backend_errors_name_the_problem(model_dirs, monkeypatch):
+    with pytest.raises(ConfigError, match="runs float32 on the CPU"):
+        LLM(str(model_dirs["llama"]), dtype="bfloat16", attention_backend="cpu")
+    assert LLM(str(model_dirs["llama"]), dtype="bfloat16").engine.runner.backend.name == "torch"
+    monkeypatch.setenv(cpu_build.ENV_SWITCH, "0")
+    cpu_build.load_library.cache_clear()
+    try:
+        assert LLM(str(model_dirs["llama"]), dtype="float32").engine.runner.backend.name == "torch"
+        with pytest.raises(ConfigError, match="needs a C compiler"):
+            LLM(str(model_dirs["llama"]), dtype="float32", attention_backend="cpu")
+    finally:
+        monkeypatch.delenv(cpu_build.ENV_SWITCH)
+        cpu_build.load_library.cache_clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -135,8 +136,8 @@ class ModelRunner:
         s = self.shape
         shape = (self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
         # zeros, not empty: masked-out slots must not hold NaN bit patterns (0 * NaN = NaN)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(s.num_layers)]
+        return [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+                for _ in range(s.num_layers)]
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, logit_rows: list[int]) -> torch.Tensor:
@@ -223,6 +224,18 @@ class ModelRunner:
             prefill_indices=[i for i, n in enumerate(batch.num_new_tokens) if n > 1])
         self.backend.prepare(meta)
         return torch.tensor(ids, device=dev), positions, meta
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On CPU its pages come from the OS already zeroed and are only backed by
+    memory once written (numpy's calloc), so a large KV cache costs resident memory only as blocks
+    are used; ``torch.zeros`` would write, and so commit, every byte up front."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _available_ram() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.model.runner import _zeros
 
 
 def _rss_mib() -> int:
@@ -12,14 +13,20 @@ def _rss_mib() -> int:
         return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
 
 
-def test_cpu_kv_cache_is_zero_and_lazily_committed(model_dirs):
+def test_lazily_zeroed_tensor_commits_only_written_pages():
     before = _rss_mib()
-    llm = LLM(str(model_dirs["llama"]), dtype="float32", kv_cache_memory=1 << 30)
-    runner = llm.engine.runner
-    cache_mib = runner.num_blocks * runner.bytes_per_block // 2**20
-    assert cache_mib > 900
-    assert _rss_mib() - before < 300  # a zero-filled 1 GiB cache would add all of it
-    k_cache, v_cache = runner.kv_caches[-1]
-    assert k_cache.dtype == torch.float32 and not bool(k_cache[-8:].any()) and not bool(v_cache[:8].any())
+    cache = _zeros((1024, 16, 4, 64, 64), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert cache.shape == (1024, 16, 4, 64, 64) and cache.is_contiguous()
+    assert _rss_mib() - before < 100  # torch.zeros would have committed all 1,024 MiB
+    cache[:16] = 1.0  # 16 MiB written
+    assert 10 < _rss_mib() - before < 120
+    assert not bool(cache[16:32].any()) and float(cache[:16].sum()) == 16 * 16 * 4 * 64 * 64
+    assert _zeros((3, 5), torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16
+
+
+def test_engine_kv_cache_starts_zeroed(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), dtype="float32")
+    k_cache, v_cache = llm.engine.runner.kv_caches[-1]
+    assert not bool(k_cache.any()) and not bool(v_cache.any())
     out = llm.generate([[3, 4, 5, 6] * 8], SamplingParams(max_tokens=8, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 8
+    assert len(out[0].outputs[0].token_ids) == 8 and bool(k_cache.any())

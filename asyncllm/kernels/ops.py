@@ -1,10 +1,14 @@
-"""Elementwise decoder ops with a function-level choice between torch and fused Triton kernels.
+"""Elementwise decoder ops with a function-level choice between torch and fused kernels.
 
-The model always calls these functions. They run the torch code (the reference, and the CPU
-path) unless the caller enabled Triton ops for the current context with :func:`triton_ops` and
-the tensor is on CUDA (or on CPU under ``TRITON_INTERPRET=1``, which is how tests run the
-kernels). The model runner enables them for the steps of an engine whose attention backend is
-Triton. The choice is a ``ContextVar``, so two engines in one process never see each other's.
+The model always calls these functions. They run the torch code (the reference) unless the caller
+enabled a kernel family for the current context:
+
+- :func:`triton_ops`: the Triton kernels, for tensors on CUDA (or on CPU under ``TRITON_INTERPRET=1``,
+  which is how tests run them). The runner enables them for engines on the Triton backend.
+- :func:`cpu_ops`: the C kernels of ``csrc/elementwise.c``, for float32 CPU tensors. The runner
+  enables them for engines on the ``cpu`` backend (so ``attention_backend="torch"`` stays pure torch).
+
+The choice is a ``ContextVar``, so two engines in one process never see each other's.
 """
 
 from __future__ import annotations
@@ -18,21 +22,37 @@ import torch.nn.functional as F
 
 from .triton_utils import interpreting, triton_available
 
-_enabled: ContextVar[bool] = ContextVar("asyncllm_triton_ops", default=False)
+_TRITON, _CPU = "triton", "cpu"
+_family: ContextVar[str | None] = ContextVar("asyncllm_kernel_ops", default=None)
 
 
 @contextmanager
-def triton_ops(enabled: bool = True) -> Iterator[None]:
-    """Use the fused Triton kernels (where the device allows) inside this block."""
-    token = _enabled.set(enabled and triton_available())
+def _use(family: str | None) -> Iterator[None]:
+    token = _family.set(family)
     try:
         yield
     finally:
-        _enabled.reset(token)
+        _family.reset(token)
+
+
+def triton_ops(enabled: bool = True):
+    """Use the fused Triton kernels (where the device allows) inside this block."""
+    return _use(_TRITON if enabled and triton_available() else None)
+
+
+def cpu_ops(enabled: bool = True):
+    """Use the fused C kernels for float32 CPU tensors inside this block (where they could be built)."""
+    from . import cpu_ops as kernels
+
+    return _use(_CPU if enabled and kernels.available() else None)
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    return _enabled.get() and (x.is_cuda or (x.device.type == "cpu" and interpreting()))
+    return _family.get() == _TRITON and (x.is_cuda or (x.device.type == "cpu" and interpreting()))
+
+
+def use_cpu(x: torch.Tensor) -> bool:
+    return _family.get() == _CPU and x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,6 +61,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from .elementwise import rms_norm as fused
 
         return fused(x, weight, eps)[0]
+    if use_cpu(x):
+        from .cpu_ops import rms_norm as fused_cpu
+
+        return fused_cpu(x, weight, eps)[0]
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -55,6 +79,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
         normed, total = fused(x, weight, eps, residual=residual)
         return total, normed
+    if use_cpu(x) and residual.is_contiguous():
+        from .cpu_ops import rms_norm as fused_cpu
+
+        normed, total = fused_cpu(x, weight, eps, residual=residual)
+        return total, normed
     total = residual + x
     return total, rms_norm(total, weight, eps)
 
@@ -65,6 +94,10 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         from .elementwise import silu_and_mul as fused
 
         return fused(gate, up)
+    if use_cpu(gate) and gate.dim() == 2:
+        from .cpu_ops import silu_and_mul as fused_cpu
+
+        return fused_cpu(gate, up)
     return F.silu(gate) * up
 
 
@@ -81,6 +114,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         from .elementwise import rotary_embedding_
 
         rotary_embedding_(positions, q, k, cos, sin)
+        return q, k
+    if use_cpu(q) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
+        from .cpu_ops import rotary_embedding_ as rotate_cpu
+
+        rotate_cpu(positions, q, k, cos, sin)
         return q, k
     c = cos[positions].unsqueeze(1)
     s = sin[positions].unsqueeze(1)

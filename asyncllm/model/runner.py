@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..kernels.cpu_attention import CpuAttentionBackend, cpu_kernels_available
 from ..kernels.cpu_linear import pack_linear_layers, packing_supported
 from ..kernels.metadata import AttentionMetadata
-from ..kernels.ops import triton_ops
+from ..kernels.ops import cpu_ops, triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
 from ..kernels.triton_utils import check_triton_device, interpreting, triton_available
 from .cuda_graphs import DecodeGraphs
@@ -177,6 +177,10 @@ class ModelRunner:
                                   self.block_size)
             return graphs.capture()
 
+    def _fused_ops(self):
+        """The elementwise kernels that go with the attention backend (none for the torch reference)."""
+        return triton_ops(True) if self.uses_triton else cpu_ops(self.backend.name == "cpu")
+
     def _on_device(self):
         """Make the engine's GPU current: Triton launches on the current device, and a thread's
         current device is cuda:0 whatever device the engine was given."""
@@ -185,7 +189,7 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The decoder over the flattened batch: a CUDA graph replay for a decode-only step that fits
         one, else eagerly. Steps with LoRA adapters run eagerly: graphs are captured without them."""
-        with self._on_device(), triton_ops(self.uses_triton):
+        with self._on_device(), self._fused_ops():
             if self.cuda_graphs is not None and not self.lora.groups and self.cuda_graphs.fits(meta):
                 return self.cuda_graphs.replay(input_ids, positions, meta)
             return self.model(input_ids, positions, meta, self.kv_caches)

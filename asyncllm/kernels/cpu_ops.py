@@ -1,0 +1,101 @@
+"""ctypes bindings of the fused CPU elementwise kernels in ``csrc/elementwise.c`` (float32 only).
+
+Callers go through :mod:`asyncllm.kernels.ops`, which only sends float32 CPU tensors here and only
+for engines on the ``cpu`` attention backend; these functions check their inputs anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .cpu_build import load_library
+
+_i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "rms_norm_f32": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
+    "silu_and_mul_f32": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _int],
+    "rotary_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int],
+}
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = load_library("elementwise")
+    if lib is not None and lib.rms_norm_f32.argtypes is None:
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the elementwise kernels could be built and loaded here."""
+    return _library() is not None
+
+
+def _check(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension")
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(rows, cols, rows_per_token, token_stride) of a 2-d [tokens, cols] or 3-d [tokens, heads, cols]
+    tensor whose heads are contiguous within a token."""
+    cols = x.shape[-1]
+    if x.dim() == 2:
+        return x.shape[0], cols, 1, x.stride(0)
+    if x.dim() == 3 and x.stride(1) == cols:
+        return x.shape[0] * x.shape[1], cols, x.shape[1], x.stride(0)
+    raise ValueError(f"expected [tokens, cols] or [tokens, heads, cols] with contiguous heads, got {tuple(x.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(x + residual) * weight, x + residual) or (rms_norm(x) * weight, None)."""
+    _check("x", x)
+    _check("weight", weight)
+    rows, cols, per_token, token_stride = _rows(x)
+    normed = torch.empty(x.shape, dtype=x.dtype)
+    total = None
+    if residual is not None:
+        _check("residual", residual)
+        if not residual.is_contiguous() or residual.shape != x.shape:
+            raise ValueError("residual must be contiguous with x's shape")
+        total = torch.empty_like(residual)
+    _library().rms_norm_f32(x.data_ptr(), per_token, token_stride,
+                            residual.data_ptr() if residual is not None else None,
+                            total.data_ptr() if total is not None else None, normed.data_ptr(),
+                            weight.data_ptr(), rows, cols, eps, torch.get_num_threads())
+    return normed, total
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [rows, cols] halves of one fused gate_up tensor (or any two same-stride tensors)."""
+    _check("gate", gate)
+    _check("up", up)
+    if gate.dim() != 2 or gate.shape != up.shape or gate.stride(0) != up.stride(0):
+        raise ValueError("gate and up must be 2-d tensors of one shape and row stride")
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    _library().silu_and_mul_f32(gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), gate.shape[0],
+                                gate.shape[1], torch.get_num_threads())
+    return out
+
+
+def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> None:
+    """Rotate q and k ([tokens, heads, head_dim], heads contiguous) in place by the angles at ``positions``."""
+    for name, t in (("q", q), ("k", k)):
+        _check(name, t)
+        if t.dim() != 3 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim] with contiguous heads")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check(name, t)
+        if not t.is_contiguous() or t.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{name} must be a contiguous [positions, head_dim] table")
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise TypeError("positions must be a contiguous int64 tensor")
+    _library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[2],
+                          positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.shape[0], torch.get_num_threads())

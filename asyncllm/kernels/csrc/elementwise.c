@@ -1,0 +1,85 @@
+/* Fused elementwise ops of the decoder for the CPU path: RMSNorm (optionally after the residual
+ * add), SiLU-and-multiply, and rotary embedding in place. One pass over memory each instead of the
+ * four to six separate torch ops (and temporaries) that the reference path runs; OpenMP only when
+ * the tensor is large enough (a prefill chunk) for threads to pay off.
+ *
+ * Rows are addressed as base + (r / rows_per_token) * token_stride + (r % rows_per_token) * cols,
+ * so per-head rows inside a fused qkv tensor (Qwen3's q/k norms) need no copy.
+ * Built and loaded like paged_decode.c (asyncllm/kernels/cpu_build.py).
+ */
+#include <math.h>
+#include <stdint.h>
+
+__attribute__((simd("notinbranch"))) float expf(float);
+
+#define PARALLEL_MIN_ELEMENTS (1 << 16)
+
+static inline const float *row_ptr(const float *base, int64_t r, int64_t rows_per_token, int64_t token_stride,
+                                   int64_t cols) {
+    return base + (r / rows_per_token) * token_stride + (r % rows_per_token) * cols;
+}
+
+/* normed = rms_norm(x (+ residual)) * weight; with a residual, total = x + residual is written too
+ * (it may alias residual). normed/total are contiguous [rows, cols]. */
+void rms_norm_f32(const float *x, int64_t rows_per_token, int64_t token_stride, const float *residual,
+                  float *total, float *normed, const float *weight, int64_t rows, int64_t cols, float eps,
+                  int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = row_ptr(x, r, rows_per_token, token_stride, cols);
+        float *nr = normed + r * cols;
+        const float *src = xr;
+        if (residual) {
+            const float *rr = residual + r * cols;
+            float *tr = total + r * cols;
+#pragma omp simd
+            for (int64_t i = 0; i < cols; i++) tr[i] = xr[i] + rr[i];
+            src = tr;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < cols; i++) sum += src[i] * src[i];
+        const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < cols; i++) nr[i] = weight[i] * (src[i] * inv);
+    }
+}
+
+/* out[r, i] = silu(gate[r, i]) * up[r, i]; gate and up rows share one stride (halves of gate_up). */
+void silu_and_mul_f32(const float *gate, const float *up, int64_t in_stride, float *out, int64_t rows,
+                      int64_t cols, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * in_stride, *u = up + r * in_stride;
+        float *o = out + r * cols;
+#pragma omp simd
+        for (int64_t i = 0; i < cols; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotate each head of x ([tokens, heads, head_dim], token stride given, heads contiguous) in place by
+ * the angles of its token's position: tables are cat(freqs, freqs) rows of cos/sin per position. */
+static void rotate(float *x, int64_t token_stride, int64_t heads, int64_t head_dim, const int64_t *positions,
+                   const float *cos_table, const float *sin_table, int64_t tokens, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + t * token_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+void rotary_f32(float *q, int64_t q_token_stride, int64_t q_heads, float *k, int64_t k_token_stride,
+                int64_t k_heads, int64_t head_dim, const int64_t *positions, const float *cos_table,
+                const float *sin_table, int64_t tokens, int num_threads) {
+    rotate(q, q_token_stride, q_heads, head_dim, positions, cos_table, sin_table, tokens, num_threads);
+    rotate(k, k_token_stride, k_heads, head_dim, positions, cos_table, sin_table, tokens, num_threads);
+}

@@ -1,0 +1,85 @@
+"""The fused C elementwise kernels equal the torch reference ops, on the views the model passes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncllm.kernels import cpu_ops, ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler to build the CPU kernels")
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def fused(fn, *args):
+    with ops.cpu_ops():
+        return fn(*args)
+
+
+@pytest.mark.parametrize("tokens", [3, 300])  # 300 x 512 crosses the kernels' threading threshold
+def test_rms_norm_and_residual_add(tokens, threads):
+    gen = torch.Generator().manual_seed(tokens)
+    x, residual = torch.randn(tokens, 512, generator=gen), torch.randn(tokens, 512, generator=gen)
+    weight = torch.randn(512, generator=gen)
+    torch.testing.assert_close(fused(ops.rms_norm, x, weight, 1e-6), ops.rms_norm(x, weight, 1e-6), **TOL)
+    total, normed = fused(ops.add_rms_norm, x, residual, weight, 1e-5)
+    ref_total, ref_normed = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, ref_total)
+    torch.testing.assert_close(normed, ref_normed, **TOL)
+
+
+def test_per_head_rms_norm_on_a_fused_qkv_view(threads):
+    """Qwen3's q/k norms: rows are heads inside each token's slice of the qkv tensor."""
+    qkv = torch.randn(7, (4 + 2 * 2) * 32)
+    q = qkv[:, :128].view(7, 4, 32)
+    weight = torch.randn(32)
+    out = fused(ops.rms_norm, q, weight, 1e-6)
+    assert out.shape == (7, 4, 32)
+    torch.testing.assert_close(out, ops.rms_norm(q, weight, 1e-6), **TOL)
+
+
+@pytest.mark.parametrize("tokens", [5, 100])
+def test_silu_and_mul_on_gate_up_halves(tokens, threads):
+    gate_up = torch.randn(tokens, 2 * 1408) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused(ops.silu_and_mul, gate, up), ops.silu_and_mul(gate, up), **TOL)
+
+
+@pytest.mark.parametrize("tokens", [4, 600])
+def test_rotary_in_place_on_qkv_views(tokens, threads):
+    heads, kv_heads, dim = 8, 2, 64
+    positions = torch.randint(0, 1000, (tokens,))
+    angles = torch.outer(torch.arange(1000.0), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    ref_q, ref_k = ops.rotary_embedding(positions, q, k, cos, sin)
+    v_before = v.clone()
+    out_q, out_k = fused(ops.rotary_embedding, positions, q, k, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr()  # rotated in place
+    torch.testing.assert_close(out_q, ref_q, **TOL)
+    torch.testing.assert_close(out_k, ref_k, **TOL)
+    assert torch.equal(v, v_before)
+
+
+def test_only_float32_cpu_tensors_take_the_fused_path():
+    x = torch.randn(2, 8)
+    assert not ops.use_cpu(x)  # not enabled outside cpu_ops()
+    with ops.cpu_ops():
+        assert ops.use_cpu(x) and not ops.use_cpu(x.bfloat16())
+    with ops.cpu_ops(), ops.triton_ops(False):
+        assert not ops.use_cpu(x)
+    with pytest.raises(TypeError, match="x must be a float32"):
+        cpu_ops.rms_norm(x.double(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="gate and up must be 2-d"):
+        cpu_ops.silu_and_mul(x, torch.randn(2, 4))

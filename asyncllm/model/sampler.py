@@ -40,21 +40,34 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     Log-probabilities are those of the model's raw distribution (before penalties and temperature),
     as vLLM and OpenAI report them.
     """
-    logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
-    logits = logits.clone()
+    raw = logits.float()
+    # The full log-softmax only when some row reports top logprobs; the chosen tokens' logprobs
+    # alone need one logsumexp per row (this runs every step, on [rows, vocab]).
+    wants_top = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_top else None
+    logits = raw.clone() if any(_modifies_logits(r) for r in rows) else raw
     _apply_logit_bias(logits, rows)
     _apply_min_tokens(logits, rows)
     _apply_penalties(logits, rows)
     _apply_grammars(logits, rows)
-    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
     chosen = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if not all(r.params.greedy for r in rows):
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
         sampled = _sample_random(logits, rows, greedy, generator)
         chosen = torch.where(greedy, chosen, sampled)
-    chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
+    if raw_logprobs is not None:
+        chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
+    else:
+        chosen_logprobs = raw.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
     token_ids = chosen.tolist()
-    return SamplerOutput(token_ids, chosen_logprobs.tolist(), _top_logprobs(raw_logprobs, rows, token_ids))
+    top = _top_logprobs(raw_logprobs, rows, token_ids) if wants_top else [None] * len(rows)
+    return SamplerOutput(token_ids, chosen_logprobs.tolist(), top)
+
+
+def _modifies_logits(row: SamplingRow) -> bool:
+    """Whether any logits processor below will write to this row (otherwise the raw logits are used as is)."""
+    p = row.params
+    return bool(p.logit_bias) or bool(row.min_tokens_blocked) or _has_penalty(p) or row.grammar is not None
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

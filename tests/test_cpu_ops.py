@@ -83,3 +83,15 @@ def test_only_float32_cpu_tensors_take_the_fused_path():
         cpu_ops.rms_norm(x.double(), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="gate and up must be 2-d"):
         cpu_ops.silu_and_mul(x, torch.randn(2, 4))
+
+
+def test_greedy_pick_equals_argmax_and_log_softmax(threads):
+    logits = torch.randn(70, 5000) * 3
+    logits[3, 17] = logits[3, 4000] = 100.0  # a tie: the first maximum wins, as with torch.argmax
+    ids, logprobs = cpu_ops.greedy_pick(logits)
+    assert ids == logits.argmax(dim=-1).tolist() and ids[3] == 17
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=1e-5)
+    logits[5, 9] = float("nan")
+    assert cpu_ops.greedy_pick(logits) is None  # NaN rows are left to torch's rules
+    assert cpu_ops.greedy_pick(logits.double()) is None

@@ -1,4 +1,4 @@
-"""ctypes bindings of the fused CPU elementwise kernels in ``csrc/elementwise.c`` (float32 only).
+"""ctypes bindings of the fused CPU kernels in ``csrc/elementwise.c`` and ``csrc/sampling.c`` (float32 only).
 
 Callers go through :mod:`asyncllm.kernels.ops`, which only sends float32 CPU tensors here and only
 for engines on the ``cpu`` attention backend; these functions check their inputs anyway.
@@ -32,6 +32,33 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the elementwise kernels could be built and loaded here."""
     return _library() is not None
+
+
+def _sampling_library() -> ctypes.CDLL | None:
+    lib = load_library("sampling")
+    if lib is not None and lib.greedy_pick_f32.argtypes is None:
+        lib.greedy_pick_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int]
+        lib.greedy_pick_f32.restype = ctypes.c_int
+    return lib
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
+    """Per row of ``logits`` ([rows, vocab] float32 on CPU): argmax (first maximum) and its
+    log-softmax value. ``None`` when the kernel is unavailable, the tensor does not qualify, or a row
+    holds NaN (the caller's torch path then decides, as torch.argmax does)."""
+    if (logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2
+            or logits.stride(1) != 1 or logits.shape[1] == 0):
+        return None
+    lib = _sampling_library()
+    if lib is None:
+        return None
+    rows = logits.shape[0]
+    ids = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    if lib.greedy_pick_f32(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], ids.data_ptr(),
+                           logprobs.data_ptr(), torch.get_num_threads()):
+        return None
+    return ids.tolist(), logprobs.tolist()
 
 
 def _check(name: str, t: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling_params import SamplingParams
+from ..kernels.cpu_ops import greedy_pick
 from ..structured import GrammarState, apply_grammar_masks
 
 
@@ -40,6 +41,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     Log-probabilities are those of the model's raw distribution (before penalties and temperature),
     as vLLM and OpenAI report them.
     """
+    if all(_plain_greedy(r) for r in rows):
+        picked = greedy_pick(logits)  # the common case on CPU: one fused pass per row
+        if picked is not None:
+            return SamplerOutput(picked[0], picked[1], [None] * len(rows))
     raw = logits.float()
     # The full log-softmax only when some row reports top logprobs; the chosen tokens' logprobs
     # alone need one logsumexp per row (this runs every step, on [rows, vocab]).
@@ -62,6 +67,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     token_ids = chosen.tolist()
     top = _top_logprobs(raw_logprobs, rows, token_ids) if wants_top else [None] * len(rows)
     return SamplerOutput(token_ids, chosen_logprobs.tolist(), top)
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy, no logits processor, no top logprobs: the row's token is the argmax of the raw logits."""
+    return row.params.greedy and row.params.logprobs is None and not _modifies_logits(row)
 
 
 def _modifies_logits(row: SamplingRow) -> bool:

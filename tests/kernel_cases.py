@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.kernels.metadata import AttentionMetadata
+from asyncllm.model.llama import DecoderShape
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
@@ -79,3 +80,27 @@ def reference_attention(batch: PagedBatch, k_cache: torch.Tensor, v_cache: torch
 
     meta = batch.meta()
     return TorchAttentionBackend().forward(batch.query.float(), k_cache.float(), v_cache.float(), meta, scale)
+
+
+def lora_test_shape() -> DecoderShape:
+    """A tiny decoder shape for the LoRA kernel tests."""
+    return DecoderShape(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, qkv_bias=False, qk_norm=False,
+                        tie_word_embeddings=False)
+
+
+class FakeAdapter:
+    """Just what LoRASlots reads from a LoRAWeights."""
+
+    def __init__(self, adapter_id: int, weights: dict):
+        self.adapter_id, self.weights = adapter_id, weights
+
+
+def lora_adapter(adapter_id: int, rank: int, targets: list[str], shapes: dict, gen: torch.Generator) -> FakeAdapter:
+    weights = {}
+    for layer in range(2):
+        for target in targets:
+            in_features, out_features = shapes[target]
+            weights[(layer, target)] = (torch.randn(rank, in_features, generator=gen),
+                                        torch.randn(out_features, rank, generator=gen) * 0.5)
+    return FakeAdapter(adapter_id, weights)

@@ -95,3 +95,38 @@ def test_greedy_pick_equals_argmax_and_log_softmax(threads):
     logits[5, 9] = float("nan")
     assert cpu_ops.greedy_pick(logits) is None  # NaN rows are left to torch's rules
     assert cpu_ops.greedy_pick(logits.double()) is None
+
+
+def test_lora_kernel_equals_reference_on_a_mixed_batch(threads):
+    """Ragged, interleaved adapter segments with different ranks and targets (some tokens on the base model)."""
+    from asyncllm.adapters.slots import LoRASlots
+    from kernel_cases import lora_adapter, lora_test_shape
+
+    gen = torch.Generator().manual_seed(0)
+    slots = LoRASlots(lora_test_shape(), max_loras=3, max_rank=8, device=torch.device("cpu"), dtype=torch.float32)
+    adapters = [lora_adapter(1, 8, ["q_proj", "v_proj", "down_proj"], slots.shapes, gen),
+                lora_adapter(2, 3, ["k_proj", "o_proj", "gate_proj", "up_proj"], slots.shapes, gen),
+                lora_adapter(3, 5, list(slots.shapes), slots.shapes, gen)]
+    mapping = slots.activate(adapters, set())
+    token_adapter = [(i * 7) % 4 for i in range(37)]  # 0 = base model
+    rows: dict[int, list[int]] = {}
+    for row, a in enumerate(token_adapter):
+        if a:
+            rows.setdefault(mapping[a], []).append(row)
+    slots.set_groups(rows)
+    calls = []
+    real = cpu_ops.lora_apply
+    for fused, width_in, width_out in (("qkv_proj", 32, 64), ("o_proj", 32, 32), ("gate_up_proj", 32, 96),
+                                       ("down_proj", 48, 32)):
+        x = torch.randn(37, width_in, generator=gen)
+        base = torch.randn(37, width_out, generator=gen)
+        expected, got = base.clone(), base.clone()
+        slots.apply(1, fused, x, expected)  # torch reference (no kernel family enabled)
+        with ops.cpu_ops(), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_ops, "lora_apply", lambda *a: calls.append(1) or real(*a))
+            slots.apply(1, fused, x, got)
+        assert not torch.equal(expected, base)
+        torch.testing.assert_close(got, expected, **TOL)
+        untouched = [r for r, a in enumerate(token_adapter) if a == 0]
+        assert torch.equal(got[untouched], base[untouched])
+    assert len(calls) == 7  # one call per projection part: the kernel really ran

@@ -5,32 +5,10 @@ import torch
 
 from asyncllm.adapters.slots import LoRASlots
 from asyncllm.kernels.ops import triton_ops
-from asyncllm.model.llama import DecoderShape
+from kernel_cases import lora_adapter as _adapter
+from kernel_cases import lora_test_shape as _shape
 
 pytest.importorskip("triton")
-
-
-def _shape() -> DecoderShape:
-    return DecoderShape(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, qkv_bias=False, qk_norm=False,
-                        tie_word_embeddings=False)
-
-
-class _Adapter:
-    """Just what LoRASlots reads from a LoRAWeights."""
-
-    def __init__(self, adapter_id: int, weights: dict):
-        self.adapter_id, self.weights = adapter_id, weights
-
-
-def _adapter(adapter_id: int, rank: int, targets: list[str], shapes: dict, gen: torch.Generator) -> _Adapter:
-    weights = {}
-    for layer in range(2):
-        for target in targets:
-            in_features, out_features = shapes[target]
-            weights[(layer, target)] = (torch.randn(rank, in_features, generator=gen),
-                                        torch.randn(out_features, rank, generator=gen) * 0.5)
-    return _Adapter(adapter_id, weights)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])

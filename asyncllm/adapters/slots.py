@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.ops import use_triton
+from ..kernels.ops import use_cpu, use_triton
+from ..kernels import cpu_ops as cpu_kernels
 from ..model.llama import DecoderShape
 from .peft_loader import LoRAWeights, module_shapes
 
@@ -28,6 +29,9 @@ class LoRASlots:
         self.device, self.dtype = device, dtype
         self.shapes = module_shapes(shape)
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # allocated on first use
+        # per (layer, part): each slot's rank there (0: its adapter does not target the part); CPU kernel input
+        self.ranks: dict[tuple[int, str], torch.Tensor] = {}
+        self.token_slots = torch.empty(0, dtype=torch.int64)  # this step: the slot of each row of segments[0]
         self.slot_adapter: list[LoRAWeights | None] = [None] * max_loras
         self.groups: list[tuple[int, torch.Tensor]] = []  # this step: (slot, token rows)
         self.segments: tuple = ()                          # the same, flattened for the kernels
@@ -82,6 +86,8 @@ class LoRASlots:
                     a, b = pair
                     a_stack[slot, :a.shape[0]].copy_(a)
                     b_stack[slot, :, :b.shape[1]].copy_(b)
+                self.ranks.setdefault((layer, target), torch.zeros(self.max_loras, dtype=torch.int64))[slot] = \
+                    pair[0].shape[0] if pair is not None else 0
         self.slot_adapter[slot] = adapter
 
     def _stack(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +95,12 @@ class LoRASlots:
         if key not in self.stacks:
             in_features, out_features = self.shapes[target]
             make = lambda *s: torch.zeros(s, device=self.device, dtype=self.dtype)  # noqa: E731
-            self.stacks[key] = (make(self.max_loras, self.max_rank, in_features),
-                                make(self.max_loras, out_features, self.max_rank))
+            a_stack = make(self.max_loras, self.max_rank, in_features)
+            if self.device.type == "cpu":  # B stored transposed for the CPU kernel; a [slots, out, rank] view
+                b_stack = make(self.max_loras, self.max_rank, out_features).transpose(1, 2)
+            else:
+                b_stack = make(self.max_loras, out_features, self.max_rank)
+            self.stacks[key] = (a_stack, b_stack)
         return self.stacks[key]
 
     def set_groups(self, rows_by_slot: dict[int, list[int]]) -> None:
@@ -101,6 +111,7 @@ class LoRASlots:
         for _, rows in ordered:
             starts.append(starts[-1] + len(rows))
         # the same grouping, flattened segment by segment, for the Triton kernels
+        self.token_slots = torch.tensor([slot for slot, rows in ordered for _ in rows], dtype=torch.int64)
         self.segments = (torch.tensor([r for _, rows in ordered for r in rows], device=self.device),
                          torch.tensor(starts, device=self.device),
                          torch.tensor([slot for slot, _ in ordered], device=self.device),
@@ -110,6 +121,9 @@ class LoRASlots:
         """Add every group's LoRA delta for ``fused`` of ``layer`` into ``y`` (in place)."""
         if use_triton(x):
             self._apply_kernels(layer, fused, x, y)
+            return
+        if use_cpu(x) and y.is_contiguous() and x.stride(-1) == 1 and cpu_kernels.lora_available():
+            self._apply_cpu(layer, fused, x, y)
             return
         for slot, rows in self.groups:
             adapter = self.slot_adapter[slot]
@@ -123,6 +137,14 @@ class LoRASlots:
                 delta = (xs @ a_stack[slot, :rank].T) @ b_stack[slot, :, :rank].T
                 _, start, size = self._offsets[part]
                 y[:, start:start + size].index_add_(0, rows, delta.to(y.dtype))
+
+    def _apply_cpu(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The same sum with the C kernel: one call per part covers every adapter's tokens."""
+        rows = self.segments[0]
+        for part in FUSED_PARTS[fused]:
+            a_stack, b_stack = self.stacks[(layer, part)]
+            cpu_kernels.lora_apply(x, y, self._offsets[part][1], a_stack, b_stack.transpose(1, 2),
+                                   self.ranks[(layer, part)], rows, self.token_slots)
 
     def _apply_kernels(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """The same sum with the segmented Triton kernels (one shrink and one expand per part)."""

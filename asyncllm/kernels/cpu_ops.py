@@ -1,4 +1,5 @@
-"""ctypes bindings of the fused CPU kernels in ``csrc/elementwise.c`` and ``csrc/sampling.c`` (float32 only).
+"""ctypes bindings of the CPU kernels in ``csrc/elementwise.c``, ``csrc/sampling.c`` and ``csrc/lora.c``
+(float32 only).
 
 Callers go through :mod:`asyncllm.kernels.ops`, which only sends float32 CPU tensors here and only
 for engines on the ``cpu`` attention backend; these functions check their inputs anyway.
@@ -126,3 +127,39 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         raise TypeError("positions must be a contiguous int64 tensor")
     _library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[2],
                           positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.shape[0], torch.get_num_threads())
+
+
+def _lora_library() -> ctypes.CDLL | None:
+    lib = load_library("lora")
+    if lib is not None and lib.lora_apply_f32.argtypes is None:
+        lib.lora_apply_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
+                                       _i64, _int]
+        lib.lora_apply_f32.restype = ctypes.c_int
+    return lib
+
+
+def lora_available() -> bool:
+    return _lora_library() is not None
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, y_offset: int, a_stack: torch.Tensor, bt_stack: torch.Tensor,
+               slot_ranks: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """``y[rows[i], y_offset:y_offset+out] += (x[rows[i]] @ A[s].T) @ Bt[s]`` for ``s = slots[i]``, in place.
+
+    a_stack: [slots, max_rank, in]; bt_stack: [slots, max_rank, out] (B transposed); both contiguous,
+    zero-padded beyond each slot's rank ``slot_ranks[s]`` (0: the slot adds nothing here)."""
+    for name, t in (("x", x), ("y", y), ("a_stack", a_stack), ("bt_stack", bt_stack)):
+        _check(name, t)
+    if not (a_stack.is_contiguous() and bt_stack.is_contiguous()):
+        raise ValueError("a_stack and bt_stack must be contiguous")
+    for name, t in (("slot_ranks", slot_ranks), ("rows", rows), ("slots", slots)):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a contiguous int64 CPU tensor")
+    max_rank, out_features = bt_stack.shape[1], bt_stack.shape[2]
+    if y_offset + out_features > y.shape[1] or a_stack.shape[2] != x.shape[1]:
+        raise ValueError("the stacks do not fit x and y")
+    if _lora_library().lora_apply_f32(
+            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), y_offset, a_stack.data_ptr(), bt_stack.data_ptr(),
+            slot_ranks.data_ptr(), max_rank, x.shape[1], out_features, rows.data_ptr(), slots.data_ptr(),
+            rows.numel(), torch.get_num_threads()):
+        raise MemoryError("the CPU LoRA kernel could not allocate its scratch memory")

@@ -38,26 +38,41 @@ def available() -> bool:
 def _sampling_library() -> ctypes.CDLL | None:
     lib = load_library("sampling")
     if lib is not None and lib.greedy_pick_f32.argtypes is None:
-        lib.greedy_pick_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int]
+        lib.greedy_pick_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int]
         lib.greedy_pick_f32.restype = ctypes.c_int
     return lib
 
 
-def greedy_pick(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
-    """Per row of ``logits`` ([rows, vocab] float32 on CPU): argmax (first maximum) and its
-    log-softmax value. ``None`` when the kernel is unavailable, the tensor does not qualify, or a row
-    holds NaN (the caller's torch path then decides, as torch.argmax does)."""
+def greedy_kernel_available() -> bool:
+    return _sampling_library() is not None
+
+
+def greedy_pick(logits: torch.Tensor, bitmask: torch.Tensor | None = None,
+                mask_rows: list[int] | None = None) -> tuple[list[int], list[float]] | None:
+    """Per row of ``logits`` ([rows, vocab] float32 on CPU): argmax (first maximum) and its log-softmax value.
+
+    With ``bitmask`` ([n, ceil(vocab / 32)] int32, bit set = allowed) and ``mask_rows`` (per logits row,
+    its bitmask row or -1), constrained rows pick among their allowed tokens; log-probabilities stay
+    those of the unmasked rows. ``None`` when the kernel is unavailable, the tensors do not qualify,
+    or a row holds NaN (the caller's torch path then decides, as torch.argmax does)."""
     if (logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2
             or logits.stride(1) != 1 or logits.shape[1] == 0):
         return None
     lib = _sampling_library()
     if lib is None:
         return None
-    rows = logits.shape[0]
+    rows, vocab = logits.shape
+    mask_ptr, words, rows_ptr = None, 0, None
+    if bitmask is not None:
+        if (bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.device.type != "cpu"
+                or bitmask.shape[1] * 32 < vocab or mask_rows is None or len(mask_rows) != rows):
+            return None
+        index = torch.tensor(mask_rows, dtype=torch.int64)
+        mask_ptr, words, rows_ptr = bitmask.data_ptr(), bitmask.shape[1], index.data_ptr()
     ids = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
-    if lib.greedy_pick_f32(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], ids.data_ptr(),
-                           logprobs.data_ptr(), torch.get_num_threads()):
+    if lib.greedy_pick_f32(logits.data_ptr(), logits.stride(0), rows, vocab, mask_ptr, words, rows_ptr,
+                           ids.data_ptr(), logprobs.data_ptr(), torch.get_num_threads()):
         return None
     return ids.tolist(), logprobs.tolist()
 

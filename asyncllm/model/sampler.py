@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling_params import SamplingParams
-from ..kernels.cpu_ops import greedy_pick
-from ..structured import GrammarState, apply_grammar_masks
+from ..kernels.cpu_ops import greedy_kernel_available, greedy_pick
+from ..structured import GrammarState, apply_grammar_masks, grammar_bitmask
 
 
 @dataclass
@@ -41,10 +41,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     Log-probabilities are those of the model's raw distribution (before penalties and temperature),
     as vLLM and OpenAI report them.
     """
-    if all(_plain_greedy(r) for r in rows):
-        picked = greedy_pick(logits)  # the common case on CPU: one fused pass per row
-        if picked is not None:
-            return SamplerOutput(picked[0], picked[1], [None] * len(rows))
+    picked = _fused_greedy(logits, rows)
+    if picked is not None:
+        return SamplerOutput(picked[0], picked[1], [None] * len(rows))
     raw = logits.float()
     # The full log-softmax only when some row reports top logprobs; the chosen tokens' logprobs
     # alone need one logsumexp per row (this runs every step, on [rows, vocab]).
@@ -69,9 +68,29 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     return SamplerOutput(token_ids, chosen_logprobs.tolist(), top)
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
-    """Greedy, no logits processor, no top logprobs: the row's token is the argmax of the raw logits."""
-    return row.params.greedy and row.params.logprobs is None and not _modifies_logits(row)
+def _fused_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float]] | None:
+    """The common CPU case in one C pass per row: every row greedy, without top logprobs and without
+    logits processors other than a grammar (applied from its bitmask inside the kernel).
+    ``None`` where that does not apply; the general path below then runs."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not greedy_kernel_available():
+        return None
+    if not all(_greedy_grammar_only(r) for r in rows):
+        return None
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return greedy_pick(logits)
+    bitmask = grammar_bitmask([rows[i].grammar for i in constrained], logits.shape[1])
+    mask_rows = [-1] * len(rows)
+    for k, i in enumerate(constrained):
+        mask_rows[i] = k
+    return greedy_pick(logits, bitmask, mask_rows)
+
+
+def _greedy_grammar_only(row: SamplingRow) -> bool:
+    """Greedy, no top logprobs, no logits processor but (maybe) a grammar."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and not row.min_tokens_blocked
+            and not _has_penalty(p))
 
 
 def _modifies_logits(row: SamplingRow) -> bool:

@@ -6,6 +6,7 @@ forced tool call, into a cached :class:`GrammarTemplate`; the engine gives each 
 """
 
 from .compiler import GrammarCompiler, GrammarTemplate
-from .state import GrammarState, apply_grammar_masks, prefetch_masks
+from .state import GrammarState, apply_grammar_masks, grammar_bitmask, prefetch_masks
 
-__all__ = ["GrammarCompiler", "GrammarTemplate", "GrammarState", "apply_grammar_masks", "prefetch_masks"]
+__all__ = ["GrammarCompiler", "GrammarTemplate", "GrammarState", "apply_grammar_masks", "grammar_bitmask",
+           "prefetch_masks"]

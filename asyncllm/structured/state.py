@@ -74,8 +74,9 @@ def prefetch_masks(states: list[GrammarState], vocab_size: int) -> None:
         state.prefetched = (future, row)
 
 
-def _collect_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
-    """The states' bitmasks: prefetched rows where there are some, the others filled now."""
+def grammar_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
+    """The states' next-token bitmasks (``[len(states), ceil(vocab / 32)]`` int32, on CPU): prefetched
+    rows where there are some, the others filled now. Consumes the prefetch: call once per step."""
     rows: list[torch.Tensor | None] = [None] * len(states)
     for i, state in enumerate(states):
         if state.prefetched is not None:
@@ -120,7 +121,7 @@ def forbidden_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
     """Set every token the grammar forbids to ``-inf`` in ``logits[rows]`` (in place)."""
     vocab_size = logits.shape[1]
-    bitmask = _collect_bitmask(states, vocab_size)
+    bitmask = grammar_bitmask(states, vocab_size)
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
     forbidden = forbidden_mask(bitmask, vocab_size)

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import CPU_LLAMA_SPEC, build_cpu_llama, machine_info
+from benchmarks.common import CPU_LLAMA_SPEC, build_cpu_llama
+from benchmarks.measure import loadavg, machine_record, utc_now
 
 SCHEMA = {
     "type": "object",
@@ -102,7 +103,6 @@ def measure(model_dir: str, requests: int, repeats: int, max_tokens: int) -> dic
             c / u for c, u in zip(runs["constrained"], runs["unconstrained"])), 3),
         "valid_json_outputs": f"{valid}/{requests}",
         "grammar_cache": {"hits": compiler.hits, "misses": compiler.misses},
-        "machine": machine_info(),
     }
 
 
@@ -115,7 +115,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", metavar="PATH", help="write the figures to this JSON file")
     args = parser.parse_args(argv)
     model_dir = args.model_dir or str(build_cpu_llama())
-    result = measure(model_dir, args.requests, args.repeats, args.max_tokens)
+    load_start = loadavg()
+    result = {"benchmark": "W-JSON", "date": utc_now(),
+              **measure(model_dir, args.requests, args.repeats, args.max_tokens)}
+    result["machine"] = machine_record(load_start)
     result["command"] = "python -m benchmarks.w_json " + " ".join(argv if argv is not None else sys.argv[1:])
     tput = result["throughput_tok_s"]
     print(f"W-JSON ({args.requests} requests, {result['workload']['output_tokens']} output tokens per run)")

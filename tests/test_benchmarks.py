@@ -209,3 +209,17 @@ def test_cli_bench_forwards_and_explains_when_missing(llama_dir, tmp_path, monke
     monkeypatch.setitem(sys.modules, "benchmarks.__main__", None)  # as if installed from a wheel
     assert cli.bench(["--help"]) == 2
     assert "source checkout" in capsys.readouterr().err
+
+
+def test_cpu_kernel_microbenchmarks_run_and_are_consistent(tmp_path):
+    from benchmarks import cpu_kernels
+
+    out = tmp_path / "cpu_kernels.json"
+    report = cpu_kernels.main(["--tiny", "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [(r["shape"], r["rows"]) for r in report["linear"]] == [("qkv", 1), ("qkv", 8)]
+    for r in report["linear"]:
+        assert r["f_linear_ms"] > 0 and r["packed_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["f_linear_ms"] / r["packed_ms"])
+    decode = report["paged_decode"]
+    assert decode["num_seqs"] == 8 and decode["speedup"] == pytest.approx(decode["torch_ms"] / decode["c_kernel_ms"])

@@ -5,7 +5,7 @@ its non-AVX-512 code path and re-reads the plain row-major weight on every call.
 inner-product primitive with a weight already reordered into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, the op inductor's CPU freezing pass uses) is
 1.3-1.5x faster at decode batch sizes (8-64 rows) and up to 6x for the LM head at one row, and
-about 10% faster for prefill chunks of 2,048 rows (``python -m benchmarks.cpu_linear``).
+about 10% faster for prefill chunks of 2,048 rows (``python -m benchmarks.cpu_kernels``).
 The packed tensor replaces the dense weight, so the model's memory does not grow.
 
 Results equal ``F.linear`` up to float32 summation order (about 1e-6 relative).

@@ -69,7 +69,7 @@ def build(name: str) -> Path:
     if compiler is None:
         raise BuildError("no C compiler found (set CC, or install gcc)")
     source = CSRC / f"{name}.c"
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # headers too
     key = hashlib.sha256(b"\0".join([text, " ".join([compiler, *_FLAGS, *_LIBS]).encode(), _cpu_flags().encode()]))
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -11,17 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static __thread float *scratch = NULL;
-static __thread size_t scratch_len = 0;
-
-static float *scratch_floats(size_t n) {
-    if (n > scratch_len) {
-        free(scratch);
-        scratch = (float *)malloc(n * sizeof(float));
-        scratch_len = scratch ? n : 0;
-    }
-    return scratch;
-}
+#include "scratch.h"
 
 /* Returns 0 on success, 1 if scratch memory could not be allocated. */
 int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t y_offset,

@@ -15,21 +15,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "scratch.h"
+
 /* Vector variants of expf from glibc's libmvec; glibc's header only declares them under
  * -ffast-math, which we avoid because it would change rounding everywhere else. */
 __attribute__((simd("notinbranch"))) float expf(float);
-
-static __thread float *scratch = NULL;
-static __thread size_t scratch_len = 0;
-
-static float *scratch_floats(size_t n) {
-    if (n > scratch_len) {
-        free(scratch);
-        scratch = (float *)malloc(n * sizeof(float));
-        scratch_len = scratch ? n : 0;
-    }
-    return scratch;
-}
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;

@@ -95,6 +95,9 @@ def test_engine_picks_the_cpu_backend_and_matches_the_reference(model_dirs):
     auto = LLM(str(model_dirs["qwen3"]), dtype="float32", block_size=4)
     assert auto.engine.runner.backend.name == "cpu"
     reference = LLM(str(model_dirs["qwen3"]), dtype="float32", block_size=4, attention_backend="torch")
+    # the reference is plain torch all through: no packed weights, no fused sampling
+    assert not reference.engine.runner.cpu_fast_path and auto.engine.runner.cpu_fast_path
+    assert type(reference.engine.runner.model.model.layers[0].mlp.down_proj) is torch.nn.Linear
     assert [o.outputs[0].token_ids for o in auto.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
 
@@ -112,3 +115,12 @@ def test_cpu_backend_errors_name_the_problem(model_dirs, monkeypatch):
     finally:
         monkeypatch.delenv(cpu_build.ENV_SWITCH)
         cpu_build.load_library.cache_clear()
+
+
+def test_paged_decode_refuses_a_length_its_table_does_not_cover():
+    q = torch.zeros(1, 2, 8)
+    cache = torch.zeros(4, 4, 1, 8)
+    tables = torch.zeros(1, 2, dtype=torch.int64)  # 2 blocks of 4: at most 8 tokens
+    rows = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        paged_decode(q, cache, cache, tables, torch.tensor([9]), rows, rows, 1.0, q.clone())

@@ -72,6 +72,8 @@ def test_rotary_in_place_on_qkv_views(tokens, threads):
     torch.testing.assert_close(out_q, ref_q, **TOL)
     torch.testing.assert_close(out_k, ref_k, **TOL)
     assert torch.equal(v, v_before)
+    with pytest.raises(IndexError, match="outside the rotary tables"):
+        fused(ops.rotary_embedding, torch.full((tokens,), 1000), q, k, cos, sin)
 
 
 def test_only_float32_cpu_tensors_take_the_fused_path():

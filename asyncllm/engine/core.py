@@ -209,7 +209,7 @@ class EngineCore:
             return []
         rows = [self._sampling_row(seq) for seq, _ in to_sample]
         index = torch.tensor([row for _, row in to_sample], device=logits.device)
-        result = sample(logits[index], rows, self.generator)
+        result = sample(logits[index], rows, self.generator, fused_greedy=self.runner.cpu_fast_path)
         outputs = []
         for i, (seq, _) in enumerate(to_sample):
             token = result.token_ids[i]

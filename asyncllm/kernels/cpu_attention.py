@@ -33,7 +33,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None and lib.paged_decode_f32.argtypes is None:
         lib.paged_decode_f32.argtypes = [
             _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-            _ptr, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_int]
+            _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_int]
         lib.paged_decode_f32.restype = ctypes.c_int
     return lib
 
@@ -70,8 +70,10 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     failed = lib.paged_decode_f32(
         query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim, query.shape[1],
-        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(),
-        rows.numel(), scale, torch.get_num_threads())
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
+        seqs.data_ptr(), rows.numel(), scale, torch.get_num_threads())
+    if failed == 2:
+        raise ValueError("a decoding sequence is empty or longer than its block table covers")
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
 

@@ -28,7 +28,10 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 ENV_SWITCH = "ASYNCLLM_CPU_KERNELS"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+# -ffp-contract=off: GCC would otherwise fuse a*b+c into one rounding where torch rounds twice (the
+# explicit AVX-512 FMAs in paged_decode.c are deliberate: SDPA sums in its own order anyway).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+          "-shared", "-fPIC"]
 _LIBS = ["-lmvec", "-lm"]
 
 

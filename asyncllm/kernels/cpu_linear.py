@@ -6,7 +6,8 @@ inner-product primitive with a weight already reordered into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, the op inductor's CPU freezing pass uses) is
 1.3-1.5x faster at decode batch sizes (8-64 rows) and up to 6x for the LM head at one row, and
 about 10% faster for prefill chunks of 2,048 rows (``python -m benchmarks.cpu_kernels``).
-The packed tensor replaces the dense weight, so the model's memory does not grow.
+The packed tensor replaces the dense weight, so the model's memory does not grow, except for a LM
+head tied to the embeddings: its packed copy sits next to the embedding table (vocab x hidden).
 
 Results equal ``F.linear`` up to float32 summation order (about 1e-6 relative).
 Set ``ASYNCLLM_CPU_PACKED_LINEAR=0`` to keep plain ``nn.Linear`` (for A/B runs and debugging).

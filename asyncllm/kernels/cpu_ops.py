@@ -17,8 +17,9 @@ _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 _SIGNATURES = {
     "rms_norm_f32": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
     "silu_and_mul_f32": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _int],
-    "rotary_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int],
+    "rotary_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int],
 }
+_RESTYPES = {"rotary_f32": ctypes.c_int}
 
 
 def _library() -> ctypes.CDLL | None:
@@ -26,7 +27,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None and lib.rms_norm_f32.argtypes is None:
         for name, argtypes in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = None
+            getattr(lib, name).restype = _RESTYPES.get(name)
     return lib
 
 
@@ -140,8 +141,10 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             raise ValueError(f"{name} must be a contiguous [positions, head_dim] table")
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         raise TypeError("positions must be a contiguous int64 tensor")
-    _library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[2],
-                          positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.shape[0], torch.get_num_threads())
+    if _library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+                             q.shape[2], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+                             q.shape[0], torch.get_num_threads()):
+        raise IndexError(f"a position is outside the rotary tables (0..{cos.shape[0] - 1})")
 
 
 def _lora_library() -> ctypes.CDLL | None:

@@ -95,7 +95,11 @@ class ModelRunner:
             model = LlamaFamilyModel(self.shape, rotary, self.backend, self.lora).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
         load_weights(self.model, root)
-        self._pack_cpu_linears()
+        # The CPU fast path (packed oneDNN weights, C kernels, fused greedy sampling) unless the torch
+        # reference was asked for: attention_backend="torch" stays plain torch, the tests' oracle.
+        self.cpu_fast_path = self.device.type == "cpu" and config.attention_backend != "torch"
+        if self.cpu_fast_path:
+            self._pack_cpu_linears()
         rotary.build(self.device, self.dtype)
         self.num_blocks = self._count_blocks(config, max_model_len)
         self.kv_caches = self._allocate_kv_caches()
@@ -235,12 +239,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero-filled tensor. On CPU it lives in an anonymous memory mapping: the OS hands out its
     pages already zeroed and backs them only once written, so a large KV cache costs resident
     memory as blocks are used, not up front (``torch.zeros`` writes, and so commits, every byte).
-    Transparent huge pages are requested for the mapping: first touches then fault in 2 MiB at a
-    time, which matters on VMs where every page fault is expensive."""
+    Transparent huge pages are requested for the mapping (private: shared memory would ignore the
+    request): first touches then fault in 2 MiB at a time, which matters on VMs where every page
+    fault is expensive."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = max(1, math.prod(shape) * torch.finfo(dtype).bits // 8)
-    memory = mmap.mmap(-1, nbytes)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private anonymous memory (the default is shared)
     if hasattr(memory, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             memory.madvise(mmap.MADV_HUGEPAGE)

@@ -35,13 +35,15 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]  # per row: chosen token + top-k, when asked
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
+           fused_greedy: bool = False) -> SamplerOutput:
     """Pick one token per row of ``logits`` ([rows, vocab]) following each row's params.
 
     Log-probabilities are those of the model's raw distribution (before penalties and temperature),
-    as vLLM and OpenAI report them.
+    as vLLM and OpenAI report them. ``fused_greedy`` lets an all-greedy batch on CPU take the C
+    kernel (the engine's CPU fast path); the torch code below gives the same tokens.
     """
-    picked = _fused_greedy(logits, rows)
+    picked = _fused_greedy(logits, rows) if fused_greedy else None
     if picked is not None:
         return SamplerOutput(picked[0], picked[1], [None] * len(rows))
     raw = logits.float()

@@ -58,7 +58,8 @@ void silu_and_mul_f32(const float *gate, const float *up, int64_t in_stride, flo
 }
 
 /* Rotate each head of x ([tokens, heads, head_dim], token stride given, heads contiguous) in place by
- * the angles of its token's position: tables are cat(freqs, freqs) rows of cos/sin per position. */
+ * the angles of its token's position: tables are cat(freqs, freqs) rows of cos/sin per position
+ * (positions already checked against the tables' length). */
 static void rotate(float *x, int64_t token_stride, int64_t heads, int64_t head_dim, const int64_t *positions,
                    const float *cos_table, const float *sin_table, int64_t tokens, int num_threads) {
     const int64_t half = head_dim / 2;
@@ -77,9 +78,13 @@ static void rotate(float *x, int64_t token_stride, int64_t heads, int64_t head_d
     }
 }
 
-void rotary_f32(float *q, int64_t q_token_stride, int64_t q_heads, float *k, int64_t k_token_stride,
-                int64_t k_heads, int64_t head_dim, const int64_t *positions, const float *cos_table,
-                const float *sin_table, int64_t tokens, int num_threads) {
+/* Returns 0, or 1 (nothing rotated) when a position is outside [0, table_rows). */
+int rotary_f32(float *q, int64_t q_token_stride, int64_t q_heads, float *k, int64_t k_token_stride,
+               int64_t k_heads, int64_t head_dim, const int64_t *positions, const float *cos_table,
+               const float *sin_table, int64_t table_rows, int64_t tokens, int num_threads) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= table_rows) return 1;
     rotate(q, q_token_stride, q_heads, head_dim, positions, cos_table, sin_table, tokens, num_threads);
     rotate(k, k_token_stride, k_heads, head_dim, positions, cos_table, sin_table, tokens, num_threads);
+    return 0;
 }

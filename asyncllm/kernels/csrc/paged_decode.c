@@ -122,12 +122,13 @@ static inline __attribute__((always_inline)) void decode_item(
         memcpy(out + r * out_head_stride, acc + r * head_dim, (size_t)head_dim * sizeof(float));
 }
 
-/* Returns 0 on success, 1 if scratch memory could not be allocated. */
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 if a sequence is longer than
+ * its block table row covers (table_width * block_size tokens). */
 int paged_decode_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride,
                      float *out, int64_t out_tok_stride, int64_t out_head_stride,
                      const float *k_cache, const float *v_cache, int64_t block_size,
                      int64_t num_kv_heads, int64_t head_dim, int64_t num_heads,
-                     const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                     const int64_t *block_tables, int64_t table_stride, int64_t table_width, const int64_t *seq_lens,
                      const int64_t *rows, const int64_t *seqs, int64_t num_decodes,
                      float scale, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
@@ -136,6 +137,8 @@ int paged_decode_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride
      * (contiguous reads); otherwise one KV head per item, so a few long sequences still spread. */
     const int64_t nkv = num_decodes >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
     const int64_t per_decode = num_kv_heads / nkv;
+    for (int64_t d = 0; d < num_decodes; d++)
+        if (seq_lens[seqs[d]] < 1 || seq_lens[seqs[d]] > table_width * block_size) return 2;
     int failed = 0;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)

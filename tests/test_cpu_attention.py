@@ -77,13 +77,20 @@ def test_paged_decode_rejects_bad_tensors():
         paged_decode(q, cache.transpose(0, 1), cache, tables, ints + 1, ints, ints, 1.0, q.clone())
 
 
-def test_build_is_cached_and_reports_a_missing_compiler(tmp_path, monkeypatch):
+def test_build_is_cached_falls_back_to_tmp_and_reports_a_missing_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNCLLM_CACHE_DIR", str(tmp_path))
     first = cpu_build.build("paged_decode")
     mtime = first.stat().st_mtime_ns
     assert cpu_build.build("paged_decode") == first and first.stat().st_mtime_ns == mtime  # no rebuild
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # not a folder: the build falls back to the temporary directory
+    monkeypatch.setenv("ASYNCLLM_CACHE_DIR", str(blocked / "cache"))
+    monkeypatch.setattr(cpu_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    fallback = cpu_build.build("paged_decode")
+    assert fallback.parent.parent == tmp_path / "tmp" and fallback.exists()
     monkeypatch.setenv("ASYNCLLM_CACHE_DIR", str(tmp_path / "other"))
+    monkeypatch.setattr(cpu_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp2"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(cpu_build.BuildError, match="cannot run the C compiler"):
         cpu_build.build("paged_decode")

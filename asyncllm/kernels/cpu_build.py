@@ -74,11 +74,19 @@ def build(name: str) -> Path:
     source = CSRC / f"{name}.c"
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # headers too
     key = hashlib.sha256(b"\0".join([text, " ".join([compiler, *_FLAGS, *_LIBS]).encode(), _cpu_flags().encode()]))
-    target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
+    filename = f"{name}-{key.hexdigest()[:16]}.so"
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"asyncllm-kernels-{os.getuid()}"):
+        target = folder / filename
+        if target.exists():
+            return target
+        try:  # a read-only home (some containers) falls back to the temporary directory
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=folder)
+            break
+        except OSError as e:
+            logger.info("cannot build CPU kernels in %s (%s)", folder, e)
+    else:
+        raise BuildError(f"no writable folder for the CPU kernels (tried {cache_dir()} and the temporary directory)")
     os.close(fd)
     command = [compiler, *_FLAGS, "-o", tmp, str(source), *_LIBS]
     try:

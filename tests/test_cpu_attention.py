@@ -131,3 +131,25 @@ def test_paged_decode_refuses_a_length_its_table_does_not_cover():
     rows = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="longer than its block table"):
         paged_decode(q, cache, cache, tables, torch.tensor([9]), rows, rows, 1.0, q.clone())
+
+
+def test_same_shape_prefill_chunks_in_one_call_equal_one_call_each():
+    """Chunks behind one cached prefix (and fresh prompts of one length) are batched per shape."""
+    from asyncllm.kernels.torch_attention import TorchAttentionBackend
+
+    specs = [(16, 8), (16, 8), (16, 8), (0, 5), (0, 5), (7, 3), (30, 1)]
+    batch = cpu_batch(specs, 8, 2, 32, 4, seed=3)
+    meta = batch.meta()
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    plan = meta.backend_state.prefills
+    assert sorted((g.num_seqs, g.q_len, g.seq_len) for g in plan.groups) == [(2, 5, 5), (3, 8, 24)]
+    assert plan.singles == [5]
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    backend.write_kv(batch.key, batch.value, k_cache, v_cache, meta)
+    grouped = backend.forward(batch.query, k_cache, v_cache, meta, 32 ** -0.5)
+    one_by_one = torch.zeros_like(grouped)
+    for i in meta.prefill_indices:
+        backend._prefill(i, batch.query, k_cache, v_cache, meta, 32 ** -0.5, one_by_one)
+    prefill_rows = [r for i in meta.prefill_indices for r in range(meta.query_start[i], meta.query_start[i + 1])]
+    torch.testing.assert_close(grouped[prefill_rows], one_by_one[prefill_rows], atol=1e-6, rtol=1e-6)

@@ -15,7 +15,7 @@ import torch
 
 from .cpu_build import load_library
 from .metadata import AttentionMetadata
-from .torch_attention import TorchAttentionBackend
+from .torch_attention import TorchAttentionBackend, PrefillPlan, plan_prefills
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -26,6 +26,7 @@ class _Decodes:
 
     rows: torch.Tensor  # [n] int64: query/output row of each decode in the flattened batch
     seqs: torch.Tensor  # [n] int64: its sequence index in the batch (row of block_tables / seq_lens)
+    prefills: PrefillPlan  # the step's prefill chunks, for SDPA
 
 
 def _library() -> ctypes.CDLL | None:
@@ -88,7 +89,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         device = meta.block_tables.device
         meta.backend_state = _Decodes(
             rows=torch.tensor([meta.query_start[i] for i in idx], dtype=torch.int64, device=device),
-            seqs=torch.tensor(idx, dtype=torch.int64, device=device))
+            seqs=torch.tensor(idx, dtype=torch.int64, device=device), prefills=plan_prefills(meta))
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -99,6 +100,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if decodes.rows.numel():
             paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, decodes.rows,
                          decodes.seqs, scale, output)
-        for i in meta.prefill_indices:
-            self._prefill(i, query, k_cache, v_cache, meta, scale, output)
+        self.run_prefills(decodes.prefills, query, k_cache, v_cache, meta, scale, output)
         return output

@@ -43,25 +43,73 @@ class _DecodeGroup:
     num_seqs: int
 
 
+@dataclass
+class PrefillGroup:
+    """Prefill chunks of one shape (same new-token count, same total length): one SDPA call for all.
+    Many requests behind one cached prefix (a shared system prompt) arrive like this."""
+
+    rows: torch.Tensor       # [seqs * q_len] their query rows, chunk after chunk
+    block_ids: torch.Tensor  # [seqs * blocks] their block tables, flattened
+    num_seqs: int
+    q_len: int
+    seq_len: int
+    mask: torch.Tensor | None  # [q_len, seq_len] True where a key is visible; None: plain causal
+
+
+@dataclass
+class PrefillPlan:
+    groups: list[PrefillGroup]
+    singles: list[int]       # sequences whose chunk shape is unique this step: one call each
+
+
+def plan_prefills(meta: AttentionMetadata) -> PrefillPlan:
+    """Group the step's prefill chunks by shape (prepared once per step, used by every layer)."""
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i in meta.prefill_indices:
+        by_shape.setdefault((meta.query_len(i), meta.seq_lens[i]), []).append(i)
+    groups, singles = [], []
+    device = meta.block_tables.device
+    for (q_len, seq_len), idx in by_shape.items():
+        if len(idx) == 1:
+            singles.append(idx[0])
+            continue
+        num_blocks = -(-seq_len // meta.block_size)
+        index = torch.tensor(idx, device=device)
+        rows = torch.tensor([meta.query_start[i] + j for i in idx for j in range(q_len)], device=device)
+        mask = None
+        if seq_len != q_len:  # query j sits at position seq_len - q_len + j and sees keys up to it
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        groups.append(PrefillGroup(rows, meta.block_tables.index_select(0, index)[:, :num_blocks].reshape(-1),
+                                    len(idx), q_len, seq_len, mask))
+    return PrefillPlan(groups, singles)
+
+
+@dataclass
+class _TorchPlan:
+    decode_groups: list[_DecodeGroup]
+    prefills: PrefillPlan
+
+
 class TorchAttentionBackend:
     """Paged attention by gathering each sequence's blocks and calling SDPA.
 
     Decodes (one query token) are sorted by length and attended in small groups: padding stays
     small, and each group's gathered K/V is still in the CPU cache when SDPA reads it (one big
-    gather of the whole batch is several times slower). Each prefill chunk gets its own call,
-    attending causally to its cached prefix plus itself.
+    gather of the whole batch is several times slower). Prefill chunks attend causally to their
+    cached prefix plus themselves: chunks of the same shape in one call, the others one call each.
     """
 
     name = "torch"
     decode_group_size = 8
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Per-step work shared by all layers: the decode groups."""
+        """Per-step work shared by all layers: the decode groups and the prefill plan."""
         order = sorted(meta.decode_indices, key=lambda i: meta.seq_lens[i])
         groups = []
         for start in range(0, len(order), self.decode_group_size):
             groups.append(self._group(order[start:start + self.decode_group_size], meta))
-        meta.backend_state = groups
+        meta.backend_state = _TorchPlan(groups, plan_prefills(meta))
 
     @staticmethod
     def _group(idx: list[int], meta: AttentionMetadata) -> _DecodeGroup:
@@ -84,11 +132,25 @@ class TorchAttentionBackend:
         output = torch.empty_like(query)
         if meta.backend_state is None:
             self.prepare(meta)
-        for group in meta.backend_state:
+        for group in meta.backend_state.decode_groups:
             self._decode(group, query, k_cache, v_cache, scale, output)
-        for i in meta.prefill_indices:
-            self._prefill(i, query, k_cache, v_cache, meta, scale, output)
+        self.run_prefills(meta.backend_state.prefills, query, k_cache, v_cache, meta, scale, output)
         return output
+
+    def run_prefills(self, plan: PrefillPlan, query, k_cache, v_cache, meta, scale, output) -> None:
+        for group in plan.groups:
+            self._prefill_group(group, query, k_cache, v_cache, scale, output)
+        for i in plan.singles:
+            self._prefill(i, query, k_cache, v_cache, meta, scale, output)
+
+    @staticmethod
+    def _prefill_group(group: PrefillGroup, query, k_cache, v_cache, scale, output) -> None:
+        n, (_, _, kv_heads, dim) = group.num_seqs, k_cache.shape
+        k = k_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
+        v = v_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
+        q = query.index_select(0, group.rows).view(n, group.q_len, -1, dim).transpose(1, 2)  # [n, heads, q_len, dim]
+        out = _sdpa(q, k, v, group.mask, scale, causal=group.mask is None)
+        output.index_copy_(0, group.rows, out.transpose(1, 2).reshape(n * group.q_len, -1, dim))
 
     @staticmethod
     def _decode(group: _DecodeGroup, query, k_cache, v_cache, scale, output) -> None:

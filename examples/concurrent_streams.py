@@ -8,12 +8,11 @@ the final stats show nothing running and no blocks in use.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 
 from asyncllm import AsyncLLM
-from asyncllm.toy import model_or_demo
+from asyncllm.toy import example_parser, parse_example_args
 
 
 async def consume(llm: AsyncLLM, i: int, rng: random.Random) -> str:
@@ -68,11 +67,9 @@ async def run(model: str, streams: int, seed: int = 0) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="local checkpoint (default: the embedded demo model)")
+    parser = example_parser(__doc__)
     parser.add_argument("--streams", type=int, default=50)
-    args = parser.parse_args()
-    args.model = model_or_demo(args.model)
+    args = parse_example_args(parser)
     asyncio.run(run(args.model, args.streams))
 
 

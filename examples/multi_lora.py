@@ -10,12 +10,11 @@ for the demo model (this needs the ``peft`` package).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 
 from asyncllm import AsyncLLM, LoRARequest
-from asyncllm.toy import model_or_demo
+from asyncllm.toy import example_parser, parse_example_args
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "My friend reads the book"]
 
@@ -57,11 +56,9 @@ def make_demo_adapters(model: str, directory: str) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="local base checkpoint (default: the embedded demo model)")
+    parser = example_parser(__doc__)
     parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH")
-    args = parser.parse_args()
-    args.model = model_or_demo(args.model)
+    args = parse_example_args(parser)
     adapters = dict(item.split("=", 1) for item in args.lora)
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(run(args.model, adapters or make_demo_adapters(args.model, tmp)))

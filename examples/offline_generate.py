@@ -5,10 +5,9 @@ Run:  python examples/offline_generate.py [--model PATH]
 
 from __future__ import annotations
 
-import argparse
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.toy import model_or_demo
+from asyncllm.toy import example_parser, parse_example_args
 
 
 def run(model: str) -> list:
@@ -25,10 +24,7 @@ def run(model: str) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="local checkpoint (default: the embedded demo model)")
-    args = parser.parse_args()
-    args.model = model_or_demo(args.model)
+    args = parse_example_args(example_parser(__doc__))
     run(args.model)
 
 

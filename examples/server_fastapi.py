@@ -9,14 +9,13 @@ owns the engine; the sub-app has no lifespan of its own.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
 from fastapi import FastAPI
 
 from asyncllm import AsyncLLM
 from asyncllm.server import create_app
-from asyncllm.toy import model_or_demo
+from asyncllm.toy import example_parser, parse_example_args
 
 
 def build_app(llm: AsyncLLM, *, owns_llm: bool = False) -> FastAPI:
@@ -41,11 +40,7 @@ def build_app(llm: AsyncLLM, *, owns_llm: bool = False) -> FastAPI:
 def main() -> None:
     import uvicorn
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="local checkpoint (default: the embedded demo model)")
-    parser.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args()
-    args.model = model_or_demo(args.model)
+    args = parse_example_args(example_parser(__doc__, server=True))
     uvicorn.run(build_app(AsyncLLM(args.model), owns_llm=True), host="127.0.0.1", port=args.port)
 
 

@@ -99,3 +99,12 @@ def test_server_fastapi_example(model_dirs):
             await llm.aclose()
 
     asyncio.run(main())
+
+
+def test_example_command_line_defaults_to_the_demo_model_and_takes_a_port(tmp_path):
+    from asyncllm.toy import example_parser, parse_example_args
+
+    args = parse_example_args(example_parser("Serve.\n\nMore.", server=True), ["--model", str(tmp_path), "--port", "9"])
+    assert (args.model, args.port) == (str(tmp_path), 9)
+    parser = example_parser("Run.")
+    assert parser.description == "Run." and not hasattr(parser.parse_args([]), "port")

@@ -59,6 +59,17 @@ then
 fi
 cat "$OUT/env.json"
 
+# run_logged LOG LINES OK_WORD KILL_S LIMIT_S CMD...: run CMD under a time limit with its output in LOG,
+# show the log's last LINES lines, and set $status (OK_WORD, "timeout" or "failed (exit N)").
+run_logged() {
+    local log=$1 lines=$2 ok=$3 kill=$4 limit=$5 rc
+    shift 5
+    timeout -k "$kill" "$limit" "$@" >"$log" 2>&1
+    rc=$?
+    tail -n "$lines" "$log"
+    case $rc in 0) status=$ok ;; 124|137) status=timeout ;; *) status="failed (exit $rc)" ;; esac
+}
+
 # 1. CUDA tests. Without pytest in $PY, borrow the pure-Python test tools of a carried .venv.
 if ! "$PY" -c "import pytest" 2>/dev/null; then
     for site in .venv/lib/python3*/site-packages; do
@@ -75,11 +86,8 @@ t=$SECONDS
 TESTS=(tests/test_kernels_attention.py tests/test_kernels_ops.py tests/test_triton_engine.py
        tests/test_cuda_graphs.py tests/test_parity.py)
 if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout -k 10 170 "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" --junitxml="$OUT/pytest.xml" \
-        >"$OUT/pytest.log" 2>&1
-    rc=$?
-    tail -n 25 "$OUT/pytest.log"
-    case $rc in 0) status=passed ;; 124|137) status=timeout ;; *) status="failed (exit $rc)" ;; esac
+    run_logged "$OUT/pytest.log" 25 passed 10 170 \
+        "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" --junitxml="$OUT/pytest.xml"
 else
     status="skipped: pytest is not installed in $PY"
 fi
@@ -89,11 +97,8 @@ record tests "$status" $((SECONDS - t))
 t=$SECONDS
 budget=$(( $(left) - 75 ))
 if [ "$budget" -gt 90 ]; then
-    timeout -k 10 $((budget + 20)) "$PY" -m benchmarks.w_gpu --out "$OUT" --budget-s "$budget" \
-        >"$OUT/w_gpu.log" 2>&1
-    rc=$?
-    tail -n 15 "$OUT/w_gpu.log"
-    case $rc in 0) status=ok ;; 124|137) status=timeout ;; *) status="failed (exit $rc)" ;; esac
+    run_logged "$OUT/w_gpu.log" 15 ok 10 $((budget + 20)) \
+        "$PY" -m benchmarks.w_gpu --out "$OUT" --budget-s "$budget"
 else
     status="skipped: only ${budget}s left"
 fi
@@ -103,10 +108,7 @@ record w_gpu "$status" $((SECONDS - t))
 t=$SECONDS
 budget=$(( $(left) - 10 ))
 if [ "$budget" -gt 20 ]; then
-    timeout -k 5 "$budget" "$PY" -m benchmarks.gpu_kernels --out "$OUT" >"$OUT/gpu_kernels.log" 2>&1
-    rc=$?
-    tail -n 30 "$OUT/gpu_kernels.log"
-    case $rc in 0) status=ok ;; 124|137) status=timeout ;; *) status="failed (exit $rc)" ;; esac
+    run_logged "$OUT/gpu_kernels.log" 30 ok 5 "$budget" "$PY" -m benchmarks.gpu_kernels --out "$OUT"
 else
     status="skipped: only ${budget}s left"
 fi

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from .config import EngineConfig
 from .engine.core import EngineCore, SequenceOutput
 from .engine.engine_thread import EngineThread
-from .errors import EngineDeadError, InvalidRequestError, LoRAError
+from .errors import EngineDeadError, InvalidRequestError
 from .frontend.input_processor import make_input_processor
 from .frontend.lora import cached_lora, load_lora
 from .frontend.output_processor import OutputProcessor, RequestState

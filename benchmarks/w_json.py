@@ -19,10 +19,9 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from benchmarks.common import CPU_LLAMA_SPEC, build_cpu_llama
-from benchmarks.measure import loadavg, machine_record, reset_prefix_cache, utc_now
+from benchmarks.measure import loadavg, machine_record, reset_prefix_cache, utc_now, write_report
 
 SCHEMA = {
     "type": "object",
@@ -131,9 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  ratio          {result['ratio_constrained_over_unconstrained']:8.3f}  (target >= 0.90; "
           f"median of paired runs {result['ratio_median_of_pairs']:.3f})")
     print(f"  valid JSON     {result['valid_json_outputs']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_report(args.json, result)
     return result
 
 

@@ -154,7 +154,7 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _decode(group: _DecodeGroup, query, k_cache, v_cache, scale, output) -> None:
-        n, (_, block_size, kv_heads, dim) = group.num_seqs, k_cache.shape
+        n, (_, _, kv_heads, dim) = group.num_seqs, k_cache.shape
         k = k_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim).transpose(1, 2)
         v = v_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim).transpose(1, 2)
         # Grouped-query trick: the query heads sharing one KV head become that head's "query rows",

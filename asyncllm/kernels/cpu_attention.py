@@ -29,14 +29,13 @@ class _Decodes:
     prefills: PrefillPlan  # the step's prefill chunks, for SDPA
 
 
+_PAGED_DECODE = (("paged_decode_f32", (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                                        _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_int),
+                   ctypes.c_int),)
+
+
 def _library() -> ctypes.CDLL | None:
-    lib = load_library("paged_decode")
-    if lib is not None and lib.paged_decode_f32.argtypes is None:
-        lib.paged_decode_f32.argtypes = [
-            _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-            _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_int]
-        lib.paged_decode_f32.restype = ctypes.c_int
-    return lib
+    return load_library("paged_decode", _PAGED_DECODE)
 
 
 def cpu_kernels_available() -> bool:

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -104,15 +105,24 @@ def build(name: str) -> Path:
     return target
 
 
+# (function name, ctypes argument types, ctypes result type or None) for each exported function
+Signatures = tuple[tuple[str, tuple[Any, ...], Any], ...]
+
+
 @functools.lru_cache(maxsize=None)
-def load_library(name: str) -> ctypes.CDLL | None:
-    """The kernel library ``name``, built if needed; ``None`` when it cannot be built here."""
+def load_library(name: str, signatures: Signatures = ()) -> ctypes.CDLL | None:
+    """The kernel library ``name``, built if needed, with its functions' ctypes ``signatures`` set;
+    ``None`` when it cannot be built here."""
     if not enabled():
         return None
     import torch  # noqa: F401 - load torch's OpenMP runtime first, so the kernels share its thread pool
 
     try:
-        return ctypes.CDLL(str(build(name)))
+        lib = ctypes.CDLL(str(build(name)))
     except (BuildError, OSError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable, using the torch path instead: %s", e)
         return None
+    for function, argtypes, restype in signatures:
+        getattr(lib, function).argtypes = list(argtypes)
+        getattr(lib, function).restype = restype
+    return lib

@@ -14,34 +14,31 @@ import torch
 from .cpu_build import load_library
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
-    "rms_norm_f32": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
-    "silu_and_mul_f32": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _int],
-    "rotary_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int],
-}
-_RESTYPES = {"rotary_f32": ctypes.c_int}
+_ELEMENTWISE = (
+    ("rms_norm_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int), None),
+    ("silu_and_mul_f32", (_ptr, _ptr, _i64, _ptr, _i64, _i64, _int), None),
+    ("rotary_f32", (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int), _int),
+)
+_SAMPLING = (("greedy_pick_f32", (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int), _int),)
+_LORA = (("lora_apply_f32", (_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _int),
+          _int),)
 
 
 def _library() -> ctypes.CDLL | None:
-    lib = load_library("elementwise")
-    if lib is not None and lib.rms_norm_f32.argtypes is None:
-        for name, argtypes in _SIGNATURES.items():
-            getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = _RESTYPES.get(name)
-    return lib
+    return load_library("elementwise", _ELEMENTWISE)
+
+
+def _sampling_library() -> ctypes.CDLL | None:
+    return load_library("sampling", _SAMPLING)
+
+
+def _lora_library() -> ctypes.CDLL | None:
+    return load_library("lora", _LORA)
 
 
 def available() -> bool:
     """Whether the elementwise kernels could be built and loaded here."""
     return _library() is not None
-
-
-def _sampling_library() -> ctypes.CDLL | None:
-    lib = load_library("sampling")
-    if lib is not None and lib.greedy_pick_f32.argtypes is None:
-        lib.greedy_pick_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int]
-        lib.greedy_pick_f32.restype = ctypes.c_int
-    return lib
 
 
 def greedy_kernel_available() -> bool:
@@ -145,15 +142,6 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              q.shape[2], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
                              q.shape[0], torch.get_num_threads()):
         raise IndexError(f"a position is outside the rotary tables (0..{cos.shape[0] - 1})")
-
-
-def _lora_library() -> ctypes.CDLL | None:
-    lib = load_library("lora")
-    if lib is not None and lib.lora_apply_f32.argtypes is None:
-        lib.lora_apply_f32.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
-                                       _i64, _int]
-        lib.lora_apply_f32.restype = ctypes.c_int
-    return lib
 
 
 def lora_available() -> bool:

@@ -1,7 +1,8 @@
 """asyncllm: an embeddable LLM inference engine (paged KV cache, continuous batching)."""
 
 from .async_llm import AsyncLLM
-from .errors import AsyncLLMError, EngineDeadError, InvalidRequestError, LoRAError
+from .errors import (AsyncLLMError, EngineDeadError, EngineOverloadedError, InvalidRequestError, LoRAError,
+                     RequestFailedError, RequestTimeoutError)
 from .llm import LLM
 from .lora_request import LoRARequest
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -9,5 +10,6 @@ from .sampling_params import SamplingParams
 from .tools.calls import ToolCall
 
 __all__ = ["AsyncLLM", "LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "ToolCall", "AsyncLLMError", "InvalidRequestError", "EngineDeadError", "LoRAError"]
+           "ToolCall", "AsyncLLMError", "InvalidRequestError", "EngineDeadError", "LoRAError", "EngineOverloadedError",
+           "RequestTimeoutError", "RequestFailedError"]
 __version__ = "0.1.0"

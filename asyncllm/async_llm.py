@@ -10,16 +10,22 @@ so a slow consumer costs no memory beyond its request's own text.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import math
 import threading
+import time
 import uuid
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from .config import EngineConfig
+from .errors import ConfigError
 from .engine.core import EngineCore, SequenceOutput
 from .engine.engine_thread import EngineThread
-from .errors import EngineDeadError, InvalidRequestError
+from .errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError, RequestTimeoutError
 from .frontend.input_processor import make_input_processor
 from .frontend.lora import cached_lora, load_lora
 from .frontend.output_processor import OutputProcessor, RequestState
@@ -27,6 +33,10 @@ from .frontend.prompts import Prompt
 from .model.loader import load_tokenizer
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+INPUT_WORKERS = 4  # threads that tokenize, render chat templates and compile grammars off the event loop
 
 
 class _LoopBridge:
@@ -39,15 +49,29 @@ class _LoopBridge:
         self.errors: dict[str, BaseException] = {}
 
     def deliver(self, outputs: list[SequenceOutput]) -> None:
-        for state in self.processor.process(outputs):
+        try:
+            states = self.processor.process(outputs)  # isolates each request's own failures
+        except Exception as exc:  # noqa: BLE001 - a bug outside any one request: fail these, not the loop
+            logger.exception("processing a step's outputs failed")
+            error = RequestFailedError(f"processing the engine's output failed ({type(exc).__name__})")
+            error.__cause__ = exc
+            self.fail({out.request_id for out in outputs}, error)
+            return
+        for state in states:
             event = self.events.get(state.request_id)
             if event is not None:
+                if state.error is not None:
+                    self.errors[state.request_id] = state.error
                 event.set()
 
-    def fail_all(self, error: BaseException) -> None:
-        for request_id, event in self.events.items():
-            self.errors[request_id] = error
-            event.set()
+    def fail(self, request_ids, error: BaseException) -> None:
+        """End these requests' streams with ``error`` (each raises it at its next wake-up)."""
+        for request_id in request_ids:
+            self.processor.requests.pop(request_id, None)
+            event = self.events.get(request_id)
+            if event is not None:
+                self.errors[request_id] = error
+                event.set()
 
 
 class AsyncLLM:
@@ -56,19 +80,32 @@ class AsyncLLM:
     ``async with AsyncLLM(path) as llm: async for piece in llm.stream("Hello", max_tokens=32): ...``
     """
 
-    def __init__(self, model: str, *, tool_parser: str | None = None, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str, *, tool_parser: str | None = None, auto_restart: bool = True,
+                 max_restarts: int = 3, restart_window_s: float = 300.0, **engine_kwargs: Any) -> None:
         """``tool_parser``: the tool-call format ("hermes", "llama3_json", "mistral"); by default the
-        model family's (see docs/tools.md). Other keywords configure the engine (shared/API.md)."""
+        model family's (see docs/tools.md). After an engine fault the engine is reset and goes on
+        (``auto_restart``), at most ``max_restarts`` times within ``restart_window_s`` seconds; past
+        that it stays dead until ``restart()`` (docs/async.md). Other keywords configure the engine
+        (docs/api.md)."""
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+            raise ConfigError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
+        if not isinstance(restart_window_s, (int, float)) or not restart_window_s > 0:
+            raise ConfigError(f"restart_window_s must be a positive number, got {restart_window_s!r}")
         self.config = EngineConfig.from_kwargs(model, engine_kwargs)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self.inputs = make_input_processor(self.engine, self.tokenizer, tool_parser)
+        self.auto_restart, self.max_restarts, self.restart_window_s = bool(auto_restart), max_restarts, restart_window_s
+        self.num_restarts = 0  # engine resets so far (automatic and by restart())
+        self._faults: deque[float] = deque()  # times of recent faults, for the restart bound
         self._lock = threading.Lock()
+        self._restart_lock = threading.Lock()
         self._bridges: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._owners: dict[str, _LoopBridge] = {}   # live request id -> the loop that streams it
         self._error: EngineDeadError | None = None
         self._closed = False
-        self._thread = EngineThread(self.engine, self._dispatch, self._die)
+        self._input_pool = ThreadPoolExecutor(INPUT_WORKERS, thread_name_prefix="asyncllm-input")
+        self._thread = EngineThread(self.engine, self._dispatch, self._on_fault)
 
     @property
     def max_model_len(self) -> int:
@@ -82,37 +119,42 @@ class AsyncLLM:
     # ---- public API -----------------------------------------------------------------------------
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, lora: Any = None,
                      request_id: str | None = None, tools: list | None = None, tool_choice: Any = None,
-                     parallel_tool_calls: bool | None = None, **sampling_kwargs: Any) -> AsyncIterator[str]:
-        """Yield the newly decoded text of the request as it is generated (never cumulative)."""
+                     parallel_tool_calls: bool | None = None, timeout: float | None = None,
+                     **sampling_kwargs: Any) -> AsyncIterator[str]:
+        """Yield the newly decoded text of the request as it is generated (never cumulative).
+
+        ``timeout``: seconds the whole request may take; past it the request is aborted (its KV
+        blocks freed) and the stream raises RequestTimeoutError."""
         n = sampling_kwargs.get("n", params.n if params is not None else 1)
         if n != 1:
             raise InvalidRequestError("n: stream() yields one text; use stream_outputs() for n > 1", field="n")
         tool_args = (tools, tool_choice, parallel_tool_calls)
-        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs):
+        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout):
             if delta.outputs[0].text:
                 yield delta.outputs[0].text
 
     async def stream_outputs(self, prompt: Prompt, params: SamplingParams | None = None, *, lora: Any = None,
                              request_id: str | None = None, tools: list | None = None, tool_choice: Any = None,
-                             parallel_tool_calls: bool | None = None,
+                             parallel_tool_calls: bool | None = None, timeout: float | None = None,
                              **sampling_kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs holding only what is new since the previous one.
 
         With ``tools`` (chat prompts only), ``text`` is the content and ``tool_calls`` the call
         fragments (see docs/tools.md); ``tool_choice`` is "none", "auto", "required" or
-        ``{"type": "function", "function": {"name": ...}}``."""
+        ``{"type": "function", "function": {"name": ...}}``; ``timeout`` as in :meth:`stream`."""
         tool_args = (tools, tool_choice, parallel_tool_calls)
-        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs):
+        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout):
             yield delta
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, lora: Any = None,
                        request_id: str | None = None, tools: list | None = None, tool_choice: Any = None,
-                       parallel_tool_calls: bool | None = None, **sampling_kwargs: Any) -> RequestOutput:
+                       parallel_tool_calls: bool | None = None, timeout: float | None = None,
+                       **sampling_kwargs: Any) -> RequestOutput:
         """Run the request to completion and return its whole output (with ``tools``: the parsed
         ``tool_calls`` and finish_reason "tool_calls" when the model called any)."""
         tool_args = (tools, tool_choice, parallel_tool_calls)
         state = None
-        async for state, _ in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs):
+        async for state, _ in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout):
             pass
         return state.output()
 
@@ -122,8 +164,19 @@ class AsyncLLM:
         self._thread.wake()
 
     def stats(self) -> dict[str, int]:
-        """Engine counters as of the last step (see shared/API.md)."""
+        """Engine counters as of the last step (docs/api.md); after a fault, those of the reset engine."""
         return dict(self._thread.stats)
+
+    async def offload(self, fn, *args: Any) -> Any:
+        """Run blocking front-side work (tokenizing, rendering, decoding) in the input worker pool,
+        so the event loop keeps serving; the server's /tokenize and /detokenize use it."""
+        return await asyncio.get_running_loop().run_in_executor(self._input_pool, functools.partial(fn, *args))
+
+    async def restart(self) -> None:
+        """Reset the engine in this process: in-flight streams end with EngineDeadError, every KV
+        block is freed, and new requests are served again (also after the automatic restarts ran
+        out). The weights stay loaded. Raises EngineDeadError once closed."""
+        await asyncio.to_thread(self._restart_now)
 
     async def check_health(self) -> None:
         """Return if the engine accepts work; raise EngineDeadError if it died or was closed."""
@@ -155,8 +208,10 @@ class AsyncLLM:
             open_requests = list(self._owners)
         for request_id in open_requests:
             self.engine.abort_request(request_id)
-        self._thread.stop()
-        self._thread.join()
+        with self._restart_lock:
+            self._thread.stop()
+            self._thread.join()
+        self._input_pool.shutdown(wait=False)
 
     async def __aenter__(self) -> "AsyncLLM":
         return self
@@ -165,28 +220,38 @@ class AsyncLLM:
         await self.aclose()
 
     # ---- event-loop side --------------------------------------------------------------------------
-    async def _run(self, prompt, params, lora, request_id, tool_args, sampling_kwargs
+    async def _run(self, prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout=None
                    ) -> AsyncIterator[tuple[RequestState, RequestOutput]]:
         """``tool_args``: (tools, tool_choice, parallel_tool_calls) as the public methods got them."""
+        _check_timeout(timeout)
+        with self._lock:
+            self._check_usable()  # before any work: a dead engine answers at once
         adapter = cached_lora(self.engine.loras, lora)
         if adapter is None and lora is not None:  # hot load from disk, off the event loop and the engine
             adapter = await asyncio.to_thread(load_lora, self.engine.loras, lora)
         tools, tool_choice, parallel_tool_calls = tool_args
-        text, request = self.inputs.process(prompt, params, request_id or f"req-{uuid.uuid4().hex}",
-                                            sampling_kwargs, tools, lora=adapter, tool_choice=tool_choice,
-                                            parallel_tool_calls=parallel_tool_calls)
+        process = functools.partial(self.inputs.process, prompt, params, request_id or f"req-{uuid.uuid4().hex}",
+                                    sampling_kwargs, tools, lora=adapter, tool_choice=tool_choice,
+                                    parallel_tool_calls=parallel_tool_calls)
+        loop = asyncio.get_running_loop()
+        if self.inputs.needs_worker(prompt, params, sampling_kwargs, tools):
+            text, request = await loop.run_in_executor(self._input_pool, process)  # the loop keeps serving
+        else:
+            text, request = process()
         rid = request.request_id
-        bridge = self._bridge_for(asyncio.get_running_loop())
+        bridge = self._bridge_for(loop)
         event = asyncio.Event()
-        with self._lock:
+        with self._lock:  # registered and queued together: a fault's reset sees both or neither
             self._check_usable()
             if rid in self._owners:
                 raise InvalidRequestError(f"request_id: {rid!r} is already running", field="request_id")
+            self._check_backlog()
+            state = bridge.processor.add(request, text)
             self._owners[rid] = bridge
-        state = bridge.processor.add(request, text)
-        bridge.events[rid] = event
-        self.engine.add_request(request)
+            bridge.events[rid] = event
+            self.engine.add_request(request)
         self._thread.wake()
+        expiry = loop.call_later(timeout, self._expire, bridge, rid, timeout) if timeout is not None else None
         try:
             done = False
             while not done:
@@ -201,22 +266,44 @@ class AsyncLLM:
                 if done or _has_news(delta):
                     yield state, delta
         finally:
+            if expiry is not None:
+                expiry.cancel()
             bridge.events.pop(rid, None)
             bridge.errors.pop(rid, None)
             bridge.processor.requests.pop(rid, None)
             with self._lock:
-                self._owners.pop(rid, None)
+                if self._owners.get(rid) is bridge:
+                    del self._owners[rid]
             if not state.finished:  # the consumer left early: free the request's blocks now
                 self.engine.abort_request(rid)
                 self._thread.wake()
+
+    def _check_backlog(self) -> None:
+        """Refuse a request when ``max_waiting_requests`` wait already (call with the lock held)."""
+        waiting = len(self._owners) - self._thread.stats.get("num_running_requests", 0)
+        if waiting >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"too many requests are waiting ({waiting}; max_waiting_requests is "
+                f"{self.config.max_waiting_requests}): retry later")
+
+    @staticmethod
+    def _expire(bridge: _LoopBridge, request_id: str, timeout: float) -> None:
+        event = bridge.events.get(request_id)
+        if event is not None:
+            bridge.errors[request_id] = RequestTimeoutError(f"request {request_id} ran past its timeout of {timeout} s")
+            event.set()
 
     def _bridge_for(self, loop: asyncio.AbstractEventLoop) -> _LoopBridge:
         with self._lock:
             bridge = self._bridges.get(loop)
             if bridge is None:
-                bridge = _LoopBridge(loop, OutputProcessor(self.tokenizer, self._stop_sequence))
+                bridge = _LoopBridge(loop, OutputProcessor(self.tokenizer, self._stop_sequence, self._abort_now))
                 self._bridges[loop] = bridge
             return bridge
+
+    def _abort_now(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._thread.wake()
 
     def _stop_sequence(self, request_id: str, index: int) -> None:
         self.engine.stop_sequence(request_id, index)
@@ -244,17 +331,66 @@ class AsyncLLM:
                 for request_id in {o.request_id for o in outs}:
                     self.engine.abort_request(request_id)
 
-    def _die(self, exc: BaseException) -> None:
-        error = EngineDeadError(f"the engine loop died: {exc!r}")
+    def _on_fault(self, exc: BaseException) -> bool:
+        """A step raised (engine thread, no step running): fail what was in flight, reset the
+        engine, and go on if the restart bound allows. Returns whether the loop keeps running."""
+        now = time.monotonic()
+        self._faults.append(now)
+        while self._faults and now - self._faults[0] > self.restart_window_s:
+            self._faults.popleft()
+        restart = self.auto_restart and len(self._faults) <= self.max_restarts and not self._closed
+        what = "restarting" if restart else (
+            f"{len(self._faults)} faults in {self.restart_window_s:g} s: not restarting; call restart()"
+            if self.auto_restart else "auto_restart is off; call restart()")
+        error = EngineDeadError(f"the engine loop died: {exc!r} ({what})")
         error.__cause__ = exc
+        self._fail_in_flight_and_reset(error)
         with self._lock:
+            if restart:
+                self._error = None
+                self.num_restarts += 1
+        if restart:
+            logger.warning("engine reset after a fault (%d within %g s)", len(self._faults), self.restart_window_s)
+        return restart
+
+    def _restart_now(self) -> None:
+        with self._restart_lock:
+            with self._lock:
+                if self._closed:
+                    raise EngineDeadError("this AsyncLLM has been closed")
+            self._thread.stop()
+            self._thread.join()
+            self._fail_in_flight_and_reset(EngineDeadError("the engine was restarted (AsyncLLM.restart())"))
+            self._thread = EngineThread(self.engine, self._dispatch, self._on_fault)
+            with self._lock:
+                self._error = None
+                self._faults.clear()
+                self.num_restarts += 1
+
+    def _fail_in_flight_and_reset(self, error: EngineDeadError) -> None:
+        """Refuse new work, end every in-flight stream with ``error``, and reset the engine (no step
+        may be running). New work stays refused until the caller clears ``_error``."""
+        with self._lock:  # requests are registered and queued under this lock: none slips past the reset
             self._error = error
-            bridges = list(self._bridges.values())
-        for bridge in bridges:
+            owners, self._owners = self._owners, {}
+            self.engine.reset()
+        self._thread.publish_stats()  # stats() and /metrics read 0 running, 0 blocks from now on
+        per_bridge: dict[_LoopBridge, list[str]] = defaultdict(list)
+        for request_id, bridge in owners.items():
+            per_bridge[bridge].append(request_id)
+        for bridge, request_ids in per_bridge.items():
             try:
-                bridge.loop.call_soon_threadsafe(bridge.fail_all, error)
-            except RuntimeError:
+                bridge.loop.call_soon_threadsafe(bridge.fail, request_ids, error)
+            except RuntimeError:  # that event loop is closed: nobody is waiting there
                 pass
+
+
+def _check_timeout(timeout: Any) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise InvalidRequestError(f"timeout: expected a positive number of seconds, got {timeout!r}", field="timeout")
 
 
 def _has_news(delta: RequestOutput) -> bool:

@@ -20,6 +20,8 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    max_n: int = 128                   # the largest n a request may ask for (OpenAI's bound)
+    max_waiting_requests: int = 4096   # requests queued beyond those running; more are refused (HTTP 429)
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
@@ -48,7 +50,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in _BACKENDS:
             raise ConfigError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank", "max_cpu_loras"):
+        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank", "max_cpu_loras", "max_n",
+                     "max_waiting_requests"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):

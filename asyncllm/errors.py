@@ -29,3 +29,19 @@ class ModelLoadError(AsyncLLMError):
 
 class ConfigError(AsyncLLMError, ValueError):
     """An engine argument is invalid or the machine cannot satisfy it."""
+
+
+class EngineOverloadedError(AsyncLLMError):
+    """Too many requests are waiting (``max_waiting_requests``); retry later (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(AsyncLLMError, TimeoutError):
+    """The request ran past its ``timeout=``; it was aborted and its KV blocks freed."""
+
+
+class RequestFailedError(AsyncLLMError):
+    """Processing this one request's output failed (a bug, not bad input); other requests go on."""

@@ -57,7 +57,7 @@ class LLM:
         tool_args = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
         requests = [self.inputs.process(p, sp, request_id=f"gen-{batch}-{i}", lora=adapter, **tool_args)
                     for i, (p, sp, adapter) in enumerate(zip(prompts, params_list, adapters))]  # validate all first
-        processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence)
+        processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence, self.engine.abort_request)
         for text, request in requests:
             processor.add(request, text)
             self.engine.add_request(request)
@@ -67,6 +67,8 @@ class LLM:
             try:
                 while len(finals) < len(requests):
                     for state in processor.process(self.engine.step()):
+                        if state.error is not None:
+                            raise state.error
                         if state.finished:
                             finals[state.request_id] = state.output()
                             progress.update(1)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import InvalidRequestError
 
 _STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar")
+
+# Temperatures below this are greedy: dividing logits by 1e-40 overflows to inf/NaN (vLLM uses the
+# same threshold).
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Seeds are 64-bit, signed or unsigned, as torch.Generator.manual_seed accepts them.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# n above this is refused (OpenAI's own bound); engines lower or raise it with ``max_n``.
+DEFAULT_MAX_N = 128
 
 
 def _fail(name: str, message: str) -> None:
@@ -17,7 +26,15 @@ def _fail(name: str, message: str) -> None:
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
     ok_types = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types):
-        _fail(name, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
+        _fail(name, f"expected {'an integer' if integer else 'a number'}, got {_short(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        _fail(name, f"must be a finite number, got {value!r}")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: errors must not echo megabytes back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -71,12 +88,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or so close to it that sampling would divide by (almost) zero."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Check every field; return self so calls can be chained."""
-        self._validate_counts()
-        self._validate_probabilities()
+    def validate(self, vocab_size: int | None = None, max_n: int = DEFAULT_MAX_N) -> "SamplingParams":
+        """Check every field against its whole range; return self so calls can be chained.
+
+        ``vocab_size`` bounds token ids and ``top_k``; ``max_n`` bounds ``n``."""
+        self._validate_counts(max_n)
+        self._validate_probabilities(vocab_size)
         self._validate_penalties()
         self._validate_stops(vocab_size)
         self._validate_logit_bias(vocab_size)
@@ -86,10 +106,10 @@ class SamplingParams:
         self._validate_structured()
         return self
 
-    def _validate_counts(self) -> None:
+    def _validate_counts(self, max_n: int) -> None:
         _check_number("n", self.n, integer=True)
-        if self.n < 1:
-            _fail("n", f"must be at least 1, got {self.n}")
+        if not 1 <= self.n <= max_n:
+            _fail("n", f"must be between 1 and {max_n}, got {self.n}")
         if self.max_tokens is not None:
             _check_number("max_tokens", self.max_tokens, integer=True)
             if self.max_tokens < 1:
@@ -107,8 +127,10 @@ class SamplingParams:
                     _fail(name, f"must be between 0 and 20, got {value}")
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                _fail("seed", f"must fit in 64 bits ({SEED_MIN} to {SEED_MAX}), got {self.seed}")
 
-    def _validate_probabilities(self) -> None:
+    def _validate_probabilities(self, vocab_size: int | None) -> None:
         _check_number("temperature", self.temperature)
         if not 0 <= self.temperature <= 100:
             _fail("temperature", f"must be between 0 and 100, got {self.temperature}")
@@ -118,6 +140,8 @@ class SamplingParams:
         _check_number("top_k", self.top_k, integer=True)
         if self.top_k < -1:
             _fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            _fail("top_k", f"must not exceed the vocabulary size ({vocab_size}), got {self.top_k}")
         _check_number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             _fail("min_p", f"must be in [0, 1], got {self.min_p}")

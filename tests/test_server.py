@@ -170,7 +170,8 @@ def test_bad_requests_get_openai_errors(app, path, body, status, param):
 
 
 def test_malformed_bodies_and_unknown_routes(app):
-    assert_error(request(app, "POST", "/v1/chat/completions", content=b"{not json"), 400)
+    assert_error(request(app, "POST", "/v1/chat/completions", content=b"{not json",
+                         headers={"content-type": "application/json"}), 400)
     assert_error(request(app, "POST", "/v1/chat/completions", json=[1, 2]), 400)
     assert_error(request(app, "GET", "/v1/nothing-here"), 404)
     assert_error(request(app, "GET", "/v1/chat/completions"), 405)
@@ -213,10 +214,15 @@ def test_models_and_prefix_mount(app, llm, model_dirs):
     assert_error(request(host, "GET", "/deep/llm/nope"), 404)
 
 
-def test_lora_routes_answer_clearly(app):
-    # the adapter cannot be loaded (no such path; or, before adapters land, no adapter support): a clear 400
-    assert_error(request(app, "POST", "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/nowhere"}),
-                 400)
+def test_lora_routes_answer_clearly(llm, tmp_path):
+    closed = create_app(llm)  # loading over HTTP is off unless the app opts in
+    assert_error(request(closed, "POST", "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/x"}), 403)
+    assert_error(request(closed, "POST", "/v1/unload_lora_adapter", json={"lora_name": "sql"}), 403)
+    app = create_app(llm, allow_lora_loading=[tmp_path])
+    # no such adapter: a clear 400 that says nothing about the filesystem
+    error = assert_error(request(app, "POST", "/v1/load_lora_adapter",
+                                 json={"lora_name": "sql", "lora_path": str(tmp_path / "nowhere")}), 400)
+    assert str(tmp_path) not in error["message"] and "sql" in error["message"]
     assert_error(request(app, "POST", "/v1/unload_lora_adapter", json={"lora_name": "sql"}), 404)
     assert_error(request(app, "POST", "/v1/load_lora_adapter", json={"lora_name": "sql"}), 400, "lora_path")
 
@@ -288,9 +294,8 @@ def test_lora_adapter_lifecycle_over_http(model_dirs, tmp_path):
     build_test_adapter(base, tmp_path / "sql")
     llm = AsyncLLM(str(base), dtype="float32")
     try:
-        app = create_app(llm, model_name="base")
-        loaded = request(app, "POST", "/v1/load_lora_adapter", json={"lora_name": "sql",
-                                                                     "lora_path": str(tmp_path / "sql")})
+        app = create_app(llm, model_name="base", allow_lora_loading=[tmp_path])
+        loaded = request(app, "POST", "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "sql"})
         assert loaded.status_code == 200, loaded.text
         cards = request(app, "GET", "/v1/models").json()["data"]
         assert [(c["id"], c["parent"]) for c in cards] == [("base", None), ("sql", "base")]

@@ -78,8 +78,11 @@ def test_prompt_longer_than_max_model_len_then_engine_still_works(llm):
     with pytest.raises(InvalidRequestError, match="max_model_len") as info:
         llm.generate([[7] * 64])
     assert info.value.field == "prompt"
-    (out,) = llm.generate([[7] * 60], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"  # capped at max_model_len
+    with pytest.raises(InvalidRequestError) as info:  # more than the context leaves: refused, naming both
+        llm.generate([[7] * 60], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    assert info.value.field == "max_tokens" and "50" in str(info.value) and "leaves room for 4" in str(info.value)
+    (out,) = llm.generate([[7] * 60], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"  # omitted: the rest
     assert llm.stats()["kv_blocks_used"] == 0
 
 

@@ -57,14 +57,33 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.runner = ModelRunner(config, self.hf_config, root, self.max_model_len)
         self.vocab_size = self.runner.shape.vocab_size
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        budget = config.max_num_batched_tokens or _DEFAULT_TOKEN_BUDGET.get(self.runner.device.type, 2048)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, config.max_loras)
+        self._build_scheduling_state()
         self.loras = LoRARegistry(self.runner.shape, config.max_lora_rank, config.max_cpu_loras)
         self.stop_checker = StopChecker(root, self.hf_config, self.max_model_len)
         self.generator = torch.Generator(self.runner.device).manual_seed(config.seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sequences: dict[str, list[Sequence]] = {}
+
+    def _build_scheduling_state(self) -> None:
+        config = self.config
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        budget = config.max_num_batched_tokens or _DEFAULT_TOKEN_BUDGET.get(self.runner.device.type, 2048)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, config.max_loras)
+
+    def reset(self) -> None:
+        """Forget every request and free every KV block, keeping the model: the engine after a fault.
+
+        The weights are read-only during a step, so they survive any failure of one; everything a
+        step mutates (block pool and prefix cache, queues, sequences, the inbox) is built anew. The
+        counters (preemptions, prefix-cache queries and hits) start again from zero. Call it only
+        while no step runs (from the engine thread, or with that thread stopped)."""
+        while True:  # drop what was queued for the old state (requests whose streams were failed)
+            try:
+                self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._sequences = {}
+        self._build_scheduling_state()
 
     # ---- thread-safe entry points -------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -92,6 +111,7 @@ class EngineCore:
     def stats(self) -> dict[str, int]:
         return {
             "num_running": len(self.scheduler.running),
+            "num_running_requests": len({seq.request_id for seq in self.scheduler.running}),
             "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_used": self.kv.num_used_blocks,
@@ -112,9 +132,9 @@ class EngineCore:
             if kind == "add":
                 self._admit(payload)
             elif kind == "abort":
-                for seq in self._sequences.get(payload, []):
-                    if not seq.is_finished:
-                        outputs.append(self._finish(seq, "abort", None, [], []))
+                unfinished = [seq for seq in self._sequences.get(payload, []) if not seq.is_finished]
+                for seq in unfinished:  # children still awaiting their fork are reported too
+                    outputs.append(self._finish(seq, "abort", None, [], []))
             elif kind == "stop":
                 request_id, index = payload
                 seqs = self._sequences.get(request_id, [])
@@ -128,6 +148,7 @@ class EngineCore:
             if not stale.is_finished:
                 self.scheduler.finish(stale)
         seqs = [Sequence(request, i, self._generator_for(request, i)) for i in range(request.params.n)]
+        request.num_unfinished = len(seqs)
         leader = seqs[0]
         if request.grammar is not None:  # children clone the leader's state when they fork
             leader.grammar = request.grammar.new_state()
@@ -244,10 +265,13 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, tokens: list[int], logprobs: list[float],
                 top=None, prompt_lps=None) -> SequenceOutput:
+        request = seq.request
+        if not seq.is_finished:  # an unforked child was finished with its leader: counted then
+            request.num_unfinished -= 1 + len(seq.pending_children)  # a counter: O(1) per sequence
         self.scheduler.finish(seq)
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        seqs = self._sequences.get(seq.request_id, [])
-        if all(s.is_finished for s in seqs):
-            self._sequences.pop(seq.request_id, None)
+        seqs = self._sequences.get(seq.request_id)
+        if request.num_unfinished == 0 and seqs and seqs[0].request is request:
+            del self._sequences[seq.request_id]
         return SequenceOutput(seq.request_id, seq.index, tokens, logprobs, top, prompt_lps, reason, stop_reason,
                               seq.num_cached_tokens, seq.request.serial)

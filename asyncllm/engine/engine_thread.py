@@ -14,15 +14,18 @@ logger = logging.getLogger(__name__)
 class EngineThread:
     """The background loop behind ``AsyncLLM``.
 
-    ``on_outputs`` receives each step's outputs (in this thread); ``on_death`` receives the
-    exception that killed the loop. The thread is a daemon, so it never keeps the interpreter alive.
+    ``on_outputs`` receives each step's outputs (in this thread). ``on_fault`` receives an
+    exception raised by a step, in this thread, with no step running; it fails the requests that
+    were in flight, resets the engine, and returns True to keep stepping or False to end the loop
+    (the engine is then dead until a new EngineThread is started). The thread is a daemon, so it
+    never keeps the interpreter alive.
     """
 
     def __init__(self, engine: EngineCore, on_outputs: Callable[[list[SequenceOutput]], None],
-                 on_death: Callable[[BaseException], None]) -> None:
+                 on_fault: Callable[[BaseException], bool]) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
-        self._on_death = on_death
+        self._on_fault = on_fault
         self._wakeup = threading.Event()
         self._stopping = False
         self.stats: dict[str, int] = engine.stats()  # a snapshot, replaced (never mutated) after each step
@@ -44,18 +47,35 @@ class EngineThread:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    def publish_stats(self) -> None:
+        """Refresh the stats snapshot (after a reset, from the thread that did it)."""
+        self.stats = self.engine.stats()
+
     def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self._step_until_stopped()
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the streams
+                logger.exception("engine step failed")
+                try:
+                    keep_going = self._on_fault(exc)
+                except BaseException:  # noqa: BLE001 - the handler itself failed: the engine is dead
+                    logger.exception("engine fault handler failed")
+                    return
+                if not keep_going:
+                    return
         try:
-            while not self._stopping:
-                self._wakeup.clear()
-                if not self.engine.has_work():
-                    self._wakeup.wait()
-                    continue
-                self._publish(self.engine.step())
             self._publish(self.engine.apply_pending())  # aborts queued by the shutdown itself
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the streams
-            logger.exception("engine loop died")
-            self._on_death(exc)
+        except BaseException:  # noqa: BLE001 - shutting down anyway
+            logger.exception("engine shutdown failed")
+
+    def _step_until_stopped(self) -> None:
+        while not self._stopping:
+            self._wakeup.clear()
+            if not self.engine.has_work():
+                self._wakeup.wait()
+                continue
+            self._publish(self.engine.step())
 
     def _publish(self, outputs: list[SequenceOutput]) -> None:
         self.stats = self.engine.stats()

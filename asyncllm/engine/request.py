@@ -37,6 +37,7 @@ class EngineRequest:
     serial: int = field(default_factory=lambda: next(_serials))  # unique even when request ids are reused
     grammar: Any = None                 # structured output: a compiled GrammarTemplate (asyncllm.structured)
     tool_context: Any = None            # the front's tool-calling state (parser choice); the engine ignores it
+    num_unfinished: int = 0             # the engine's count of this request's sequences still running
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.cache_salt is None:

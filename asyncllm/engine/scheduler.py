@@ -4,11 +4,15 @@ One budget per step (``max_num_batched_tokens``). Running sequences go first (on
 decode, or the next chunk of a prefill), then waiting ones in arrival order, so prefill chunks and
 decodes share a batch. When the pool runs dry, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later.
+
+``max_num_seqs`` is a hard bound on the running set: a request enters only when all of its ``n``
+sequences fit (the front refuses ``n > max_num_seqs``). Both queues are ordered dicts,
+so taking any sequence out (finish, abort, preemption) costs O(1) however many there are.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .kv_cache import KVCacheManager
@@ -44,8 +48,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_loras = max_loras
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: OrderedDict[Sequence, None] = OrderedDict()  # arrival order; preempted ones go first
+        self.running: dict[Sequence, None] = {}   # admission order; the newest is preempted first
         self.num_preemptions = 0
 
     @property
@@ -54,7 +58,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self.waiting[seq] = None
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -73,13 +77,15 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
         preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted below to make room for an older sequence
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_new):
                 preempted = True
-                victim = self.running[-1]
+                victim = next(reversed(self.running))
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -87,32 +93,33 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
-                index += 1
         return preempted
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         loras = self.loras_in_use()
-        index = 0
-        while index < len(self.waiting) and budget > 0:
-            seq = self.waiting[index]
+        admitted = []
+        for seq in self.waiting:
+            if budget <= 0:
+                break
             seats = 1 + len(seq.pending_children)
-            if len(self.running) + seats > self.max_num_seqs and self.running:
+            if len(self.running) + seats > self.max_num_seqs:
                 break
             if seq.lora_id is not None and seq.lora_id not in loras and len(loras) >= self.max_loras:
                 seq.lora_wait_steps += 1  # no free LoRA slot: let others pass, but not forever
                 if seq.lora_wait_steps > LORA_MAX_SKIPPED_STEPS:
                     break
-                index += 1
                 continue
             num_new = self._admit(seq, budget)
             if num_new is None:
                 break
-            del self.waiting[index]
+            admitted.append(seq)
             if seq.lora_id is not None:
                 loras.add(seq.lora_id)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+        for seq in admitted:  # not while iterating over the queue
+            del self.waiting[seq]
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Give a waiting sequence its blocks (prefix hits first); the tokens it computes, or None."""
@@ -125,15 +132,16 @@ class Scheduler:
             self.kv.count_prefix_query(seq)
         seq.status = SequenceStatus.RUNNING
         seq.lora_wait_steps = 0
-        self.running.append(seq)
+        self.running[seq] = None
         return num_new
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first for recomputation."""
-        self.running.remove(seq)
+        del self.running[seq]
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting[seq] = None
+        self.waiting.move_to_end(seq, last=False)
         self.num_preemptions += 1
 
     def start_children(self, leader: Sequence) -> list[Sequence]:
@@ -142,17 +150,18 @@ class Scheduler:
         for child in children:
             self.kv.fork(leader, child)
             child.status = SequenceStatus.RUNNING
-            self.running.append(child)
+            self.running[child] = None
         return children
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self.running.pop(seq, None)
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self.waiting.pop(seq, None)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         for child in seq.pending_children:  # aborted before its prefill finished
             child.status = SequenceStatus.FINISHED
         seq.pending_children = []
+

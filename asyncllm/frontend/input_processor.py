@@ -8,12 +8,19 @@ from typing import Any, Iterable
 
 from ..engine.request import EngineRequest
 from ..errors import InvalidRequestError
-from ..sampling_params import SamplingParams
+from ..sampling_params import DEFAULT_MAX_N, SamplingParams
 from ..structured import GrammarCompiler, GrammarTemplate
 from ..tools import ToolContext, build_tool_context, parser_class
 from .prompts import Prompt, check_prompt_length, tokenize_prompt
 
 _counter = itertools.count()
+
+# Inputs above these sizes are processed in a worker thread by AsyncLLM (tokenizing 4k characters
+# takes ~0.3 ms; chat templates, tools and grammars always go there: their cost is not bounded).
+WORKER_PROMPT_CHARS = 4096
+WORKER_PROMPT_IDS = 8192
+WORKER_FIELD_ITEMS = 256
+_STRUCTURED = ("json_schema", "regex", "choice", "grammar")
 
 
 class InputProcessor:
@@ -25,10 +32,12 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Iterable[int] = (),
-                 tool_parser: str = "hermes") -> None:
+                 tool_parser: str = "hermes", max_n: int = DEFAULT_MAX_N, max_num_seqs: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # a request's n sequences must fit in the running set at once, or it could never start
+        self.max_n = min(max_n, max_num_seqs) if max_num_seqs else max_n
         self.tool_parser = parser_class(tool_parser).name
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
 
@@ -41,15 +50,15 @@ class InputProcessor:
             raise InvalidRequestError("params: expected a SamplingParams", field="params")
         # always a private copy: validation normalises fields and the caller may reuse its object
         params = SamplingParams.from_kwargs(params, sampling_kwargs or {})
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.max_n)
         tool_context = build_tool_context(tools, tool_choice, parallel_tool_calls, self.tool_parser)
         if tool_context is not None and not _is_chat(prompt):
             raise InvalidRequestError("tools: only allowed with a chat (list of messages) prompt", field="tools")
         grammar = self._grammar(params, tool_context)
-        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, tools, self.tool_parser)
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, tools, self.tool_parser,
+                                    self.max_model_len)
         check_prompt_length(len(ids), self.max_model_len)
-        room = self.max_model_len - len(ids)
-        max_tokens = min(params.max_tokens or room, room)
+        max_tokens = self._max_tokens(params, len(ids))
         if request_id is None:
             request_id = f"req-{next(_counter)}"
         elif not isinstance(request_id, str) or not request_id:
@@ -57,6 +66,40 @@ class InputProcessor:
         request = EngineRequest(request_id, ids, params, max_tokens, time.monotonic(), cache_salt, lora,
                                 grammar=grammar, tool_context=tool_context)
         return text, request
+
+    def needs_worker(self, prompt: Any, params: SamplingParams | None, sampling_kwargs: dict[str, Any],
+                     tools: list | None) -> bool:
+        """Whether :meth:`process` may take long enough to stall an event loop (then AsyncLLM runs it
+        in its input worker pool): chat prompts, tools, grammars, and anything large."""
+        if tools or (params is not None and isinstance(params, SamplingParams) and params.structured):
+            return True
+        if isinstance(prompt, str):
+            if len(prompt) > WORKER_PROMPT_CHARS:
+                return True
+        elif not isinstance(prompt, (list, tuple)) or len(prompt) > WORKER_PROMPT_IDS \
+                or any(isinstance(item, dict) for item in prompt[:1]):
+            return True
+        for name, value in sampling_kwargs.items():
+            if name in _STRUCTURED and value is not None:
+                return True
+            if isinstance(value, (str, list, tuple, dict)) and len(value) > WORKER_FIELD_ITEMS:
+                return True
+        return False
+
+    def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """``max_tokens`` checked against what the context leaves; omitted (None): all of it."""
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is None:
+            if params.min_tokens > room:
+                raise InvalidRequestError(
+                    f"min_tokens: {params.min_tokens} requested, but the prompt's {num_prompt_tokens} tokens "
+                    f"leave room for {room} in max_model_len {self.max_model_len}", field="min_tokens")
+            return room
+        if params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens: {params.max_tokens} requested, but the prompt has {num_prompt_tokens} tokens and "
+                f"max_model_len is {self.max_model_len}, which leaves room for {room}", field="max_tokens")
+        return params.max_tokens
 
     def _grammar(self, params: SamplingParams, tools: ToolContext | None) -> GrammarTemplate | None:
         """The request's grammar: its structured-output fields, or the one that forces a tool call."""
@@ -86,4 +129,5 @@ def make_input_processor(engine, tokenizer, tool_parser: str | None = None) -> I
 
     parser = tool_parser or detect_tool_parser(tokenizer, getattr(engine.hf_config, "model_type", None))
     return InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,
-                          eos_token_ids=engine.stop_checker.eos_token_ids, tool_parser=parser)
+                          eos_token_ids=engine.stop_checker.eos_token_ids, tool_parser=parser,
+                          max_n=engine.config.max_n, max_num_seqs=engine.config.max_num_seqs)

@@ -6,16 +6,20 @@ Runs outside the engine step (in the caller's thread for ``LLM``, on the event-l
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine.core import SequenceOutput
 from ..engine.request import EngineRequest
+from ..errors import RequestFailedError
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tools import ToolCall, ToolParser, compact_fragments, parser_class
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +63,7 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     finished: bool = False
     serial: int = 0
+    error: BaseException | None = None  # processing this request's output failed: it ends with this
 
     def output(self) -> RequestOutput:
         """The cumulative output so far."""
@@ -99,9 +104,11 @@ def _take_calls(seq: _SequenceState) -> list[ToolCall] | None:
 class OutputProcessor:
     """Keeps a RequestState per live request and folds engine outputs into them."""
 
-    def __init__(self, tokenizer, stop_sequence: Callable[[str, int], None]) -> None:
+    def __init__(self, tokenizer, stop_sequence: Callable[[str, int], None],
+                 abort: Callable[[str], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop_sequence = stop_sequence  # tells the engine a sequence hit a stop string
+        self.abort = abort                  # tells the engine to drop a request whose processing failed
         self.requests: dict[str, RequestState] = {}
         self._marker_ids: dict[type, dict[int, str]] = {}
 
@@ -131,14 +138,27 @@ class OutputProcessor:
             state = self.requests.get(out.request_id)
             if state is None or (out.serial and state.serial and out.serial != state.serial):
                 continue  # a finished request whose id was reused: its late outputs are not the new one's
-            self._apply(state, state.seqs[out.index], out, now)
+            if state.error is None:
+                try:
+                    self._apply(state, state.seqs[out.index], out, now)
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not reach the others
+                    self._fail(state, exc)
             touched[out.request_id] = state
         for request_id, state in touched.items():
-            if all(s.completion.finished for s in state.seqs):
+            if state.error is not None or all(s.completion.finished for s in state.seqs):
                 state.finished = True
                 state.metrics.finish_time = now
                 del self.requests[request_id]
         return list(touched.values())
+
+    def _fail(self, state: RequestState, exc: Exception) -> None:
+        """End one request with a RequestFailedError (its stream raises it) and drop it in the engine."""
+        logger.exception("request %s: processing its output failed", state.request_id)
+        error = RequestFailedError(f"request {state.request_id}: processing its output failed ({type(exc).__name__})")
+        error.__cause__ = exc
+        state.error = error
+        if self.abort is not None:
+            self.abort(state.request_id)
 
     def _apply(self, state: RequestState, seq: _SequenceState, out: SequenceOutput, now: float) -> None:
         if out.prompt_logprobs:

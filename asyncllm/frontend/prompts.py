@@ -6,29 +6,52 @@ from typing import Any, Union
 
 from ..errors import InvalidRequestError
 from ..tools.prompting import prepare_messages
+from .messages import check_utf8, validate_messages
+from .tokenizing import encode_text, max_prompt_chars
 
 Prompt = Union[str, list[int], list[dict[str, Any]]]
 
 
 def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | None = None,
-                    tool_parser: str = "hermes") -> tuple[str | None, list[int]]:
-    """Return ``(prompt_text_or_None, token_ids)``; raise InvalidRequestError on bad input."""
+                    tool_parser: str = "hermes", max_model_len: int | None = None) -> tuple[str | None, list[int]]:
+    """Return ``(prompt_text_or_None, token_ids)``; raise InvalidRequestError on bad input.
+
+    With ``max_model_len``, a text too long to fit is refused before it is tokenized."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt: must not be empty", field="prompt")
-        return prompt, list(tokenizer.encode(prompt))
+        try:
+            check_utf8(prompt, "prompt")
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), field="prompt") from None
+        _check_text_length(prompt, tokenizer, max_model_len, "prompt")
+        return prompt, encode_text(tokenizer, prompt)
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         text = render_chat(list(prompt), tokenizer, tools, tool_parser)
-        return text, list(tokenizer.encode(text, add_special_tokens=False))
+        _check_text_length(text, tokenizer, max_model_len, "messages")
+        return text, encode_text(tokenizer, text, add_special_tokens=False)
     if isinstance(prompt, (list, tuple)) and prompt:
         ids = list(prompt)
         for token in ids:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
                 raise InvalidRequestError(
-                    f"prompt: token id {token!r} is not an integer in [0, {vocab_size})", field="prompt")
+                    f"prompt: token id {_short(token)} is not an integer in [0, {vocab_size})", field="prompt")
         return None, ids
     raise InvalidRequestError(
         "prompt: expected a non-empty string, list of token ids or list of chat messages", field="prompt")
+
+
+def _check_text_length(text: str, tokenizer, max_model_len: int | None, field: str) -> None:
+    limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
+    if limit is not None and len(text) > limit:
+        raise InvalidRequestError(
+            f"{field}: {len(text)} characters cannot fit in max_model_len {max_model_len} tokens "
+            f"(this tokenizer covers at most {limit // (2 * max_model_len)} characters per token)", field=field)
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = None,
@@ -37,9 +60,7 @@ def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = 
 
     Tools (and earlier tool calls) reach the prompt even when the template ignores them: they are
     then written into the messages in ``tool_parser``'s format (see asyncllm/tools/prompting.py)."""
-    for i, message in enumerate(messages):
-        if "role" not in message:
-            raise InvalidRequestError(f"messages[{i}]: missing 'role'", field="messages")
+    messages = validate_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages: this model's tokenizer has no chat template", field="messages")
     messages, tools = prepare_messages(messages, tools, tokenizer, tool_parser)

@@ -153,7 +153,8 @@ def _has_penalty(p: SamplingParams) -> bool:
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], greedy: torch.Tensor,
                    generator: torch.Generator | None) -> torch.Tensor:
     device = logits.device
-    temperature = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
+    # greedy rows (temperature below the epsilon) are divided by 1: their pick is the argmax anyway
+    temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=device)
     logits = logits / temperature[:, None]
     logits = _apply_top_k_top_p(logits, rows)
     probs = torch.softmax(logits, dim=-1)

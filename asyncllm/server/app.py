@@ -7,9 +7,10 @@ starts or closes the engine, and everything it needs is built here, when it is c
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -17,35 +18,48 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import AsyncLLMError, InvalidRequestError, LoRAError
+from ..errors import AsyncLLMError, ConfigError, InvalidRequestError, LoRAError
+from ..frontend.messages import check_utf8
 from ..frontend.prompts import render_chat
+from ..frontend.tokenizing import decode_ids, encode_text
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, ClientDisconnected, from_engine_error, http_exception_handler
 from .metrics import ServerMetrics
 from .protocol import (DetokenizeRequest, LoadLoRARequest, ModelCard, ModelList, TokenizeRequest,
                        UnloadLoRARequest)
+from .limits import DEFAULT_MAX_BODY_BYTES, lora_roots, read_json_body, resolve_adapter_path
 from .serving import ServerContext, parse_body
 
 if TYPE_CHECKING:
     from ..async_llm import AsyncLLM
 
+logger = logging.getLogger(__name__)
+
 Handler = Callable[[ServerContext, Request], Awaitable[Response]]
 
 
-def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | None = None) -> Starlette:
+def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | None = None, *,
+               allow_lora_loading: bool | Iterable[str | Path] | None = False,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
     """An OpenAI-compatible Starlette app serving ``llm``; mount it anywhere or run it as is.
 
     ``model_name`` is what clients pass as ``model`` (default: the checkpoint directory's name).
     With ``api_key`` set, every route but ``/health`` and ``/metrics`` needs
-    ``Authorization: Bearer <api_key>``. The host creates and closes ``llm``.
+    ``Authorization: Bearer <api_key>``. ``allow_lora_loading`` lists the directories that
+    ``/v1/load_lora_adapter`` may load adapters from (off by default: the LoRA routes answer 403).
+    POST bodies must be JSON (415 otherwise) of at most ``max_body_bytes`` (413 past it).
+    The host creates and closes ``llm``.
     """
     name = model_name or default_model_name(llm)
-    ctx = ServerContext(llm=llm, model_name=name, model_root=str(llm.config.model), api_key=api_key,
-                        metrics=ServerMetrics(llm, name), created=int(time.time()))
+    if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1:
+        raise ConfigError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    ctx = ServerContext(llm=llm, model_name=name, api_key=api_key, metrics=ServerMetrics(llm, name),
+                        created=int(time.time()), lora_roots=lora_roots(allow_lora_loading),
+                        max_body_bytes=max_body_bytes)
 
     def route(path: str, handler: Handler, method: str, *, auth: bool = True) -> Route:
-        return Route(path, _endpoint(ctx, handler, auth), methods=[method])
+        return Route(path, _endpoint(ctx, handler, auth, json_body=method == "POST"), methods=[method])
 
     routes = [
         route("/v1/chat/completions", create_chat_completion, "POST"),
@@ -70,11 +84,14 @@ def default_model_name(llm: "AsyncLLM") -> str:
     return Path(llm.config.model).resolve().name
 
 
-def _endpoint(ctx: ServerContext, handler: Handler, auth: bool) -> Callable[[Request], Awaitable[Response]]:
+def _endpoint(ctx: ServerContext, handler: Handler, auth: bool,
+              json_body: bool) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         try:
             if auth and ctx.api_key is not None:
                 _check_api_key(request, ctx.api_key)
+            if json_body:
+                await read_json_body(request, ctx.max_body_bytes)
             return await handler(ctx, request)
         except APIError as exc:
             return exc.response()
@@ -102,7 +119,8 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 # ---- small routes ------------------------------------------------------------------------------
 
 def _cards(ctx: ServerContext) -> list[ModelCard]:
-    base = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_root,
+    # ``root`` is the model's name, never a host path (vLLM shows the checkpoint directory there)
+    base = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_name,
                      max_model_len=ctx.llm.max_model_len)
     adapters = [ModelCard(id=name, created=ctx.created, root=name, parent=ctx.model_name,
                           max_model_len=ctx.llm.max_model_len) for name in ctx.llm.list_loras()]
@@ -123,15 +141,24 @@ async def retrieve_model(ctx: ServerContext, request: Request) -> Response:
 
 
 async def load_lora_adapter(ctx: ServerContext, request: Request) -> Response:
+    """Load a PEFT adapter from inside the allowed directories; errors never describe the filesystem."""
+    _check_lora_routes(ctx)
     body = await parse_body(request, LoadLoRARequest)
+    path = resolve_adapter_path(body.lora_path, ctx.lora_roots)
+    if path is None:
+        raise APIError(400, f"LoRA adapter `{body.lora_name}`: lora_path must name an adapter directory inside "
+                       "the directories this server loads adapters from", param="lora_path")
     try:
-        await ctx.llm.add_lora(body.lora_name, body.lora_path)
+        await ctx.llm.add_lora(body.lora_name, str(path))
     except LoRAError as exc:
-        raise APIError(400, str(exc), param="lora_path") from None
+        logger.warning("loading LoRA adapter %r failed: %s", body.lora_name, exc)
+        raise APIError(400, f"LoRA adapter `{body.lora_name}` cannot be loaded: {_without_paths(str(exc), path)}",
+                       param="lora_path") from None
     return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "status": "loaded"})
 
 
 async def unload_lora_adapter(ctx: ServerContext, request: Request) -> Response:
+    _check_lora_routes(ctx)
     body = await parse_body(request, UnloadLoRARequest)
     if body.lora_name not in ctx.llm.list_loras():
         raise APIError(404, f"LoRA adapter `{body.lora_name}` is not loaded.", param="lora_name",
@@ -140,19 +167,43 @@ async def unload_lora_adapter(ctx: ServerContext, request: Request) -> Response:
     return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"})
 
 
+def _check_lora_routes(ctx: ServerContext) -> None:
+    if not ctx.lora_roots:
+        raise APIError(403, "loading and unloading LoRA adapters over HTTP is disabled on this server "
+                       "(create_app(..., allow_lora_loading=[dirs]) or asyncllm serve --enable-lora-loading DIR)",
+                       code="lora_loading_disabled")
+
+
+def _without_paths(message: str, path: Path) -> str:
+    """The loader's reason with the adapter's location removed; a reason that still names some
+    other file becomes a generic one (what exists on the host is not the client's business)."""
+    message = message.replace(f"{str(path)!r}", "the adapter").replace(str(path), "the adapter")
+    if "/" in message or "\\" in message:
+        return "not a PEFT LoRA adapter (safetensors) this model can use"
+    return message
+
+
 async def tokenize(ctx: ServerContext, request: Request) -> Response:
-    """Token ids of a text prompt, or of chat messages rendered with the chat template."""
+    """Token ids of a text prompt, or of chat messages rendered with the chat template (in the engine's
+    input worker threads, so a large input does not stall other requests)."""
     body = await parse_body(request, TokenizeRequest)
     ctx.resolve_model(body.model)
     tokenizer = ctx.llm.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "exactly one of 'prompt' and 'messages' is required", param="prompt")
-    if body.messages is not None:
-        text = render_chat([m.to_template_dict() for m in body.messages], tokenizer, body.tools,
-                           getattr(ctx.llm, "tool_parser", "hermes"))
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+    def run() -> list[int]:
+        if body.messages is not None:
+            text = render_chat([m.to_template_dict() for m in body.messages], tokenizer, body.tools,
+                               getattr(ctx.llm, "tool_parser", "hermes"))
+            return encode_text(tokenizer, text, add_special_tokens=False)
+        try:
+            check_utf8(body.prompt, "prompt")
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), field="prompt") from None
+        return encode_text(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
+
+    ids = await ctx.llm.offload(run)
     return JSONResponse({"count": len(ids), "max_model_len": ctx.llm.max_model_len, "tokens": list(ids)})
 
 
@@ -164,7 +215,7 @@ async def detokenize(ctx: ServerContext, request: Request) -> Response:
         if not 0 <= token < size:
             raise InvalidRequestError(f"tokens: token id {token} is outside the vocabulary (size {size})",
                                       field="tokens")
-    return JSONResponse({"prompt": ctx.llm.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await ctx.llm.offload(decode_ids, ctx.llm.tokenizer, body.tokens)})
 
 
 async def health(ctx: ServerContext, request: Request) -> Response:

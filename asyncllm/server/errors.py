@@ -2,27 +2,33 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..errors import AsyncLLMError, EngineDeadError, InvalidRequestError, LoRAError
+from ..errors import (AsyncLLMError, EngineDeadError, EngineOverloadedError, InvalidRequestError, LoRAError,
+                      RequestFailedError, RequestTimeoutError)
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 503: "server_error"}
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_exceeded",
+          503: "server_error"}
 
 
 class APIError(Exception):
     """An error the server answers with; raised anywhere inside a route."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         """The JSON body, also sent as an SSE event when a stream fails midway."""
@@ -30,8 +36,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = dict(self.headers or {})
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 class ClientDisconnected(Exception):
@@ -78,6 +86,13 @@ def from_engine_error(exc: AsyncLLMError, param_for: Callable[[str | None], str 
         return APIError(400, str(exc), param="model")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
+    if isinstance(exc, EngineOverloadedError):
+        retry = max(1, math.ceil(exc.retry_after))
+        return APIError(429, str(exc), code="too_many_requests", headers={"Retry-After": str(retry)})
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(408, str(exc), code="request_timeout")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), code="internal_error")
     return APIError(400, str(exc))
 
 

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..errors import InvalidRequestError, LoRAError
+from ..errors import EngineOverloadedError, InvalidRequestError, LoRAError
 from ..outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class ServerMetrics:
         """Pass ``stream`` through, counting tokens and timing each delta as it arrives."""
         start = time.monotonic()
         last_token: float | None = None
-        unfinished = set(range(n))
+        unfinished: set[int] | None = None  # the choices not yet finished, known from the first delta
         admitted = False
         if lora is not None:
             self.lora_running.labels(self.model_name, lora).inc()
@@ -110,17 +110,19 @@ class ServerMetrics:
             async for delta in stream:
                 if not admitted:
                     admitted = True
+                    unfinished = set(range(len(delta.outputs)))  # n was validated by now
                     self.prompt_tokens.inc(len(delta.prompt_token_ids))
                 last_token = self._observe(delta, start, last_token, unfinished)
                 yield delta
             self.e2e.observe(time.monotonic() - start)
-        except (InvalidRequestError, LoRAError):
-            unfinished.clear()  # refused before it was queued: nothing to count
+        except (InvalidRequestError, LoRAError, EngineOverloadedError):
+            unfinished = set()  # refused before it was queued: nothing to count
             raise
         finally:
             await stream.aclose()
-            if unfinished:  # the client left or the stream failed: the engine aborted the rest
-                self.finished("abort", len(unfinished))
+            left = n if unfinished is None else len(unfinished)
+            if left:  # the client left or the stream failed: the engine aborted the rest
+                self.finished("abort", left)
             if lora is not None:
                 self.lora_running.labels(self.model_name, lora).dec()
 

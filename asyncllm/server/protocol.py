@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ..errors import InvalidRequestError
+from ..frontend.messages import ChatMessage, TextContentPart  # noqa: F401 - part of the protocol
 
 
 class _Request(BaseModel):
@@ -37,27 +38,6 @@ class _Response(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-
-
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Request):
-    """One input message; extra keys (tool_calls, name, ...) are passed to the chat template."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextContentPart], None] = None
-
-    def to_template_dict(self) -> dict[str, Any]:
-        message = self.model_dump(exclude_none=True)
-        content = self.content
-        if isinstance(content, list):  # text parts are joined, as vLLM does
-            content = "\n".join(part.text for part in content)
-        message["content"] = content or ""
-        return message
 
 
 class ResponseFormat(_Request):

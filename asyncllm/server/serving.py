@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+
+import anyio
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -37,10 +40,11 @@ class ServerContext:
 
     llm: "AsyncLLM"
     model_name: str
-    model_root: str
     api_key: str | None
     metrics: ServerMetrics
     created: int
+    lora_roots: tuple[Path, ...] = ()     # where /v1/load_lora_adapter may read from; () = disabled
+    max_body_bytes: int = 4 * 1024 * 1024
 
     def resolve_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects (None: the base model); 404 if unknown."""
@@ -233,18 +237,60 @@ def chunk_json(chunk: BaseModel, include_usage: bool) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
+# How long a stream open at server shutdown has to send its error event and [DONE] before the
+# SSE library cancels it (well inside uvicorn's graceful-shutdown timeout).
+SHUTDOWN_GRACE_S = 2.0
+
+
 def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
-    """Stream JSON chunks as OpenAI does: ``data: {...}`` events, then ``data: [DONE]``."""
+    """Stream JSON chunks as OpenAI does: ``data: {...}`` events, then ``data: [DONE]``.
+
+    A failure after the status was sent becomes an error event; so does the server shutting down
+    (sse-starlette sees uvicorn's exit signal and sets ``shutdown``), and the request is aborted.
+    Either way the stream ends with ``[DONE]``, never a cut connection."""
+    shutdown = anyio.Event()
+
     async def events() -> AsyncIterator[dict[str, str]]:
         try:
-            async for data in chunks:
+            async for data in _until_shutdown(chunks, shutdown):
                 yield {"data": data}
         except APIError as exc:  # the status is sent already: report it in the stream, as OpenAI does
             yield {"data": json.dumps(exc.body())}
         except AsyncLLMError as exc:
             yield {"data": json.dumps(from_engine_error(exc).body())}
+        except ServerShuttingDown:
+            yield {"data": json.dumps(APIError(503, "the server is shutting down; the request was aborted",
+                                               code="server_shutdown").body())}
         finally:
             await chunks.aclose()
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(events(), sep="\n")
+    return EventSourceResponse(events(), sep="\n", shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
+
+
+class ServerShuttingDown(Exception):
+    """The ASGI server is stopping: open streams say so and end."""
+
+
+async def _until_shutdown(items: AsyncIterator[T], shutdown: anyio.Event) -> AsyncIterator[T]:
+    """``items`` until they end, or raise ServerShuttingDown once ``shutdown`` is set."""
+    stop = asyncio.ensure_future(shutdown.wait())
+    step: asyncio.Future | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(items.__anext__())
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                raise ServerShuttingDown()
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield item
+    finally:
+        # ``items`` must not be left running in a task (the caller closes it next): cancel and wait
+        stop.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)

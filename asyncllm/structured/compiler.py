@@ -22,7 +22,7 @@ import llguidance.hf
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
 from .schema import JSON_OPTIONS, choice_grammar, closed_objects, parse_schema
-from .state import GrammarState
+from .state import GrammarState, fill_bitmask
 
 DEFAULT_CACHE_SIZE = 256
 
@@ -104,6 +104,9 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"{field}: {_first_line(matcher.get_error())}", field=field)
+        if not self._can_start(matcher):
+            raise InvalidRequestError(f"{field}: no output can satisfy it (the grammar admits nothing but "
+                                      "the end of the text, and the empty text is not a match)", field=field)
         template = GrammarTemplate(matcher, grammar)
         with self._lock:
             self.misses += 1
@@ -111,6 +114,18 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return template
+
+
+    def _can_start(self, matcher: "llguidance.LLMatcher") -> bool:
+        """False for a grammar whose language is empty (``{"$ref": "#"}``, ``[^\\s\\S]``): it allows
+        no token but EOS at the start without accepting the empty text, so generation would end at
+        once with output that does not match. (Emptiness that shows only later cannot be seen here.)"""
+        if matcher.is_accepting():
+            return True
+        bitmask = fill_bitmask([GrammarState(matcher)], self.vocab_size)  # reads the state, does not advance it
+        allowed = int(sum(bin(word & 0xFFFFFFFF).count("1") for word in bitmask[0].tolist()))
+        eos_allowed = sum(1 for t in self.eos_token_ids if (int(bitmask[0, t // 32]) >> (t % 32)) & 1)
+        return allowed > eos_allowed
 
 
 def _to_lark(grammar: str) -> str:

@@ -30,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-n", type=int, default=128, help="the largest n a request may ask for (default 128)")
+    serve.add_argument("--max-waiting-requests", type=int, default=4096,
+                       help="requests queued beyond those running before new ones get 429 (default 4096)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                       help="largest request body accepted, 413 past it (default 4 MiB)")
+    serve.add_argument("--enable-lora-loading", action="append", default=[], metavar="DIR",
+                       help="let /v1/load_lora_adapter load adapters from inside DIR (repeatable; off by default)")
+    serve.add_argument("--max-restarts", type=int, default=3,
+                       help="automatic engine restarts allowed within 300 s after faults (default 3; 0: none)")
     serve.add_argument("--tool-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                        help="tool-call format (default: the model family's; docs/tools.md)")
     commands.add_parser("bench", add_help=False, help="run the benchmark suite (a source checkout only; "

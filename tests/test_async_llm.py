@@ -240,7 +240,7 @@ def test_bad_requests_raise_before_streaming(async_llm):
 
 
 def test_engine_fault_reaches_every_stream(llama_path):
-    llm = AsyncLLM(llama_path, dtype="float32")
+    llm = AsyncLLM(llama_path, dtype="float32", auto_restart=False)  # restarts: tests/test_robustness.py
     real_execute = llm.engine.runner.execute
     calls = {"n": 0}
 
@@ -262,8 +262,9 @@ def test_engine_fault_reaches_every_stream(llama_path):
         assert time.monotonic() - started < 5
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert "injected fault" in str(results[0])
-        with pytest.raises(EngineDeadError):  # after death the engine refuses new work
+        with pytest.raises(EngineDeadError, match="auto_restart is off"):  # dead: refuses new work
             await llm.generate([5, 6], max_tokens=3)
+        assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_running"] == 0  # the truth, not the past
         await asyncio.wait_for(llm.aclose(), 5)
         await llm.aclose()  # idempotent
 

@@ -50,7 +50,13 @@ class Scheduler:
         self.max_loras = max_loras
         self.waiting: OrderedDict[Sequence, None] = OrderedDict()  # arrival order; preempted ones go first
         self.running: dict[Sequence, None] = {}   # admission order; the newest is preempted first
+        self.num_reserved = 0  # seats held for children of running leaders, forked after their prefill
         self.num_preemptions = 0
+
+    @property
+    def num_seats_taken(self) -> int:
+        """Running sequences plus the children their leaders will fork: what ``max_num_seqs`` bounds."""
+        return len(self.running) + self.num_reserved
 
     @property
     def num_unfinished(self) -> int:
@@ -102,7 +108,7 @@ class Scheduler:
             if budget <= 0:
                 break
             seats = 1 + len(seq.pending_children)
-            if len(self.running) + seats > self.max_num_seqs:
+            if self.num_seats_taken + seats > self.max_num_seqs:
                 break
             if seq.lora_id is not None and seq.lora_id not in loras and len(loras) >= self.max_loras:
                 seq.lora_wait_steps += 1  # no free LoRA slot: let others pass, but not forever
@@ -133,11 +139,13 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         seq.lora_wait_steps = 0
         self.running[seq] = None
+        self.num_reserved += len(seq.pending_children)
         return num_new
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first for recomputation."""
         del self.running[seq]
+        self.num_reserved -= len(seq.pending_children)  # taken again when it is re-admitted
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting[seq] = None
@@ -147,6 +155,7 @@ class Scheduler:
     def start_children(self, leader: Sequence) -> list[Sequence]:
         """After ``leader``'s prefill, fork its waiting siblings onto its blocks (n > 1)."""
         children, leader.pending_children = leader.pending_children, []
+        self.num_reserved -= len(children)
         for child in children:
             self.kv.fork(leader, child)
             child.status = SequenceStatus.RUNNING
@@ -157,6 +166,7 @@ class Scheduler:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.pop(seq, None)
+            self.num_reserved -= len(seq.pending_children)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.pop(seq, None)
         self.kv.free(seq)

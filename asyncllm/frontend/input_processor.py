@@ -77,7 +77,7 @@ class InputProcessor:
             if len(prompt) > WORKER_PROMPT_CHARS:
                 return True
         elif not isinstance(prompt, (list, tuple)) or len(prompt) > WORKER_PROMPT_IDS \
-                or any(isinstance(item, dict) for item in prompt[:1]):
+                or any(isinstance(item, dict) for item in prompt):
             return True
         for name, value in sampling_kwargs.items():
             if name in _STRUCTURED and value is not None:
@@ -120,7 +120,7 @@ class InputProcessor:
 
 
 def _is_chat(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and any(isinstance(m, dict) for m in prompt)
 
 
 def make_input_processor(engine, tokenizer, tool_parser: str | None = None) -> InputProcessor:

@@ -26,7 +26,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
             raise InvalidRequestError(str(exc), field="prompt") from None
         _check_text_length(prompt, tokenizer, max_model_len, "prompt")
         return prompt, encode_text(tokenizer, prompt)
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+    if isinstance(prompt, (list, tuple)) and prompt and any(isinstance(m, dict) for m in prompt):
         text = render_chat(list(prompt), tokenizer, tools, tool_parser)
         _check_text_length(text, tokenizer, max_model_len, "messages")
         return text, encode_text(tokenizer, text, add_special_tokens=False)

@@ -1,8 +1,9 @@
 """``asyncllm serve MODEL``: the OpenAI-style app on its own, under uvicorn (options: asyncllm/cli.py).
 
 Shutdown is uvicorn's: on SIGINT or SIGTERM it stops accepting connections, lets open requests
-finish (open SSE streams are ended by sse-starlette) for up to ``GRACEFUL_SHUTDOWN_S`` seconds,
-then returns; the engine is closed after that and the process exits with status 0.
+finish for up to ``GRACEFUL_SHUTDOWN_S`` seconds (open SSE streams get an error event and
+``[DONE]`` at once, and their requests are aborted), then returns; the engine is closed after
+that and the process exits with status 0.
 """
 
 from __future__ import annotations
@@ -39,13 +40,16 @@ def main(args: argparse.Namespace) -> None:
 
     loras = parse_loras(args.lora)
     llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                   max_num_seqs=args.max_num_seqs, tool_parser=getattr(args, "tool_parser", None))
+                   max_num_seqs=args.max_num_seqs, max_n=args.max_n, max_waiting_requests=args.max_waiting_requests,
+                   max_restarts=args.max_restarts, tool_parser=getattr(args, "tool_parser", None))
     try:
         try:
             asyncio.run(_load_loras(llm, loras))
+            app = create_app(llm, model_name=args.model_name, api_key=args.api_key,
+                             allow_lora_loading=args.enable_lora_loading or False,
+                             max_body_bytes=args.max_body_bytes)
         except AsyncLLMError as exc:
             raise SystemExit(f"asyncllm serve: {exc}") from None
-        app = create_app(llm, model_name=args.model_name, api_key=args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         # uvicorn re-raises the signal that stopped it once it has shut down: make SIGTERM end

@@ -229,3 +229,38 @@ def test_serve_command_with_lora_and_graceful_sigterm(model_dirs, tmp_path):
             proc.kill()
     assert proc.returncode == 0, output
     assert "Application shutdown complete" in output and "asyncllm serve: stopped" in output
+
+
+def test_sigterm_ends_open_streams_with_an_error_event_and_done(model_dir_factory):
+    path = model_dir_factory("llama", max_position_embeddings=MAX_LEN)  # a stream that would run for seconds
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "serve", str(path), "--port", str(port),
+                             "--dtype", "float32", "--model-name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        events = []
+        body = {"model": "tiny", "messages": CHAT, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                if len(events) == 5:
+                    proc.send_signal(signal.SIGTERM)  # mid-stream
+        output, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "[DONE]", events[-3:]
+    error = __import__("json").loads(events[-2])["error"]
+    assert error["code"] == "server_shutdown" and error["type"] == "server_error"
+    assert proc.returncode == 0 and "asyncllm serve: stopped" in output, output

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                       help="bytes of KV cache (default: a share of free memory; see docs/api.md)")
     serve.add_argument("--max-n", type=int, default=128, help="the largest n a request may ask for (default 128)")
     serve.add_argument("--max-waiting-requests", type=int, default=4096,
                        help="requests queued beyond those running before new ones get 429 (default 4096)")

@@ -13,7 +13,7 @@ _BACKENDS = ("auto", "torch", "triton", "cpu")
 
 @dataclass
 class EngineConfig:
-    """Every engine knob in one place; see shared/API.md for their meaning."""
+    """Every engine knob in one place; see docs/api.md for their meaning."""
 
     model: str
     dtype: str = "auto"

@@ -1,4 +1,4 @@
-"""Run the benchmark suite of /work/shared/BENCHMARKS.md in one go.
+"""Run the benchmark suite (the workloads of docs/benchmarks.md) in one go.
 
     python -m benchmarks [--quick] [--only w_cpu,w_prefix,...] [--out benchmarks/results] [--plots docs/img]
     asyncllm bench ...        (the same, from a source checkout)

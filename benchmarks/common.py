@@ -1,4 +1,4 @@
-"""Shared pieces of the asyncllm benchmarks (see /work/shared/BENCHMARKS.md).
+"""Shared pieces of the asyncllm benchmarks (workloads: docs/benchmarks.md).
 
 - :func:`build_cpu_llama` builds (once, cached on disk) the random-weight ``cpu-llama`` checkpoint plus a tokenizer.
 - :func:`w_cpu_workload` generates the W-CPU request mix (optionally shrunk with ``scale``).

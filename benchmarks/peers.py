@@ -1,4 +1,4 @@
-"""The transformers peers of W-CPU (see /work/shared/BENCHMARKS.md), on the same checkpoint and requests.
+"""The transformers peers of W-CPU (workloads: docs/benchmarks.md), on the same checkpoint and requests.
 
 - :func:`make_static_runner`: ``model.generate`` in static batches of 32 (left padding + attention mask, greedy;
   each batch runs to its longest request; only requested tokens count).

@@ -1,4 +1,4 @@
-"""W-CPU throughput benchmark (see /work/shared/BENCHMARKS.md).
+"""W-CPU throughput benchmark (workloads: docs/benchmarks.md).
 
     python -m benchmarks.w_cpu [--scale 1.0] [--repeats 1] [--peer-repeats N] [--json out.json]
                                [--skip-asyncllm] [--skip-peers] [--with-cb] ...

@@ -1,4 +1,4 @@
-"""W-GPU throughput benchmark (see /work/shared/BENCHMARKS.md): asyncllm against transformers'
+"""W-GPU throughput benchmark (workloads: docs/benchmarks.md): asyncllm against transformers'
 continuous batching on the same GPU, and against the roofline.
 
     python -m benchmarks.w_gpu --out DIR [--budget-s 420] [--repeats 2] [--skip-peer] [--scale 1.0]

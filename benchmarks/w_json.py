@@ -1,5 +1,5 @@
 """W-JSON: 32 requests constrained by a JSON schema of an object with 5 typed fields, against the
-same requests unconstrained (see /work/shared/BENCHMARKS.md).
+same requests unconstrained (workloads: docs/benchmarks.md).
 
     python -m benchmarks.w_json [--requests 32] [--repeats 3] [--json out.json]
 

@@ -1,5 +1,5 @@
 """W-PREFIX: 64 requests sharing a 192-token prefix, each with a distinct 32-token suffix, 32 output tokens;
-time to first token and throughput with and without prefix caching (see /work/shared/BENCHMARKS.md).
+time to first token and throughput with and without prefix caching (workloads: docs/benchmarks.md).
 
     python -m benchmarks.w_prefix [--scale 1.0] [--repeats 3] [--json out.json]
 

@@ -1,4 +1,4 @@
-"""W-SCALE: how cost grows with work (see /work/shared/BENCHMARKS.md): W-CPU's request mix at concurrency 1, 4,
+"""W-SCALE: how cost grows with work (workloads: docs/benchmarks.md): W-CPU's request mix at concurrency 1, 4,
 16 and 64; output tokens/s, inter-token latency p50/p99 and KV-cache utilization at each level.
 
     python -m benchmarks.w_scale [--levels 1,4,16,64] [--scale 1.0] [--json out.json]

@@ -7,7 +7,7 @@ from typing import Any, Union
 from ..errors import InvalidRequestError
 from ..tools.prompting import prepare_messages
 from .messages import check_utf8, validate_messages
-from .tokenizing import encode_text, max_prompt_chars
+from .tokenizing import TooManyTokens, encode_text, max_prompt_chars
 
 Prompt = Union[str, list[int], list[dict[str, Any]]]
 
@@ -25,11 +25,11 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
         except ValueError as exc:
             raise InvalidRequestError(str(exc), field="prompt") from None
         _check_text_length(prompt, tokenizer, max_model_len, "prompt")
-        return prompt, encode_text(tokenizer, prompt)
+        return prompt, _encode(tokenizer, prompt, True, max_model_len)
     if isinstance(prompt, (list, tuple)) and prompt and any(isinstance(m, dict) for m in prompt):
         text = render_chat(list(prompt), tokenizer, tools, tool_parser)
         _check_text_length(text, tokenizer, max_model_len, "messages")
-        return text, encode_text(tokenizer, text, add_special_tokens=False)
+        return text, _encode(tokenizer, text, False, max_model_len)
     if isinstance(prompt, (list, tuple)) and prompt:
         ids = list(prompt)
         for token in ids:
@@ -39,6 +39,14 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
         return None, ids
     raise InvalidRequestError(
         "prompt: expected a non-empty string, list of token ids or list of chat messages", field="prompt")
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool, max_model_len: int | None) -> list[int]:
+    try:
+        return encode_text(tokenizer, text, add_special_tokens, max_tokens=max_model_len)
+    except TooManyTokens as exc:  # the same error check_prompt_length gives, without building the list
+        check_prompt_length(exc.count, max_model_len)  # raises: the count exceeds it
+        raise
 
 
 def _check_text_length(text: str, tokenizer, max_model_len: int | None, field: str) -> None:

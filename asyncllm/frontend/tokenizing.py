@@ -24,12 +24,39 @@ def _backend(tokenizer):
     return backend if backend is not None and hasattr(backend, "encode_batch_fast") else None
 
 
-def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    """``tokenizer.encode(text, add_special_tokens=...)``, releasing the GIL for large texts."""
+IDS_PIECE = 32_768  # ids turned into Python ints per GIL hold (a few ms each)
+
+
+class TooManyTokens(Exception):
+    """The text has more tokens than allowed; ``count`` says how many."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        self.count = count
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=...)``, releasing the GIL for large texts.
+
+    With ``max_tokens``, a longer result raises TooManyTokens before its ids become Python ints (for
+    two million tokens that conversion alone holds the GIL for ~0.2 s); long results are converted in
+    pieces, so other threads (the event loop) run in between."""
     backend = _backend(tokenizer)
     if backend is None or len(text) <= LARGE_TEXT_CHARS:
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise TooManyTokens(len(ids))
+        return ids
+    encoding = backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+    if max_tokens is not None and len(encoding) > max_tokens:
+        raise TooManyTokens(len(encoding))
+    if len(encoding) <= IDS_PIECE:
+        return encoding.ids
+    encoding.truncate(IDS_PIECE, stride=0)  # the rest moves to ``overflowing``, in pieces of that size
+    ids = encoding.ids
+    for piece in encoding.overflowing:
+        ids.extend(piece.ids)
+    return ids
 
 
 def decode_ids(tokenizer, ids: list[int], skip_special_tokens: bool = False) -> str:

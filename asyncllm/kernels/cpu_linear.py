@@ -62,10 +62,30 @@ class PackedLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.shape[0] if x.dim() == 2 else None
+        padded = row_bucket(rows) if rows is not None else None
+        if padded is None or padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a call with ``rows`` rows runs at: exact up to 16, then rounded up to a multiple
+    of 16 (to 256) or of 128.
+
+    oneDNN builds (and caches, 1,024 entries LRU) one primitive per input shape, each with its own
+    buffers; a serving engine sees every token count from 1 to the step budget, so without buckets
+    the cache churns and the process's memory creeps up for thousands of requests (W-SOAK measured
+    it). With buckets one layer shape has at most ~45 primitives; the padding costs at most 15 rows
+    up to 256 and 127 rows beyond (under 6% of a 2,048-row prefill chunk)."""
+    if rows <= 16:
+        return rows
+    step = 16 if rows <= 256 else 128
+    return -(-rows // step) * step
 
 
 def pack_linear_layers(model: nn.Module, extra: dict[str, torch.Tensor] | None = None) -> int:

@@ -7,6 +7,7 @@ starts or closes the engine, and everything it needs is built here, when it is c
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import time
 from pathlib import Path
@@ -192,19 +193,21 @@ async def tokenize(ctx: ServerContext, request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "exactly one of 'prompt' and 'messages' is required", param="prompt")
 
-    def run() -> list[int]:
+    def run() -> bytes:  # the answer's JSON too is built off the loop: it grows with the input
         if body.messages is not None:
             text = render_chat([m.to_template_dict() for m in body.messages], tokenizer, body.tools,
                                getattr(ctx.llm, "tool_parser", "hermes"))
-            return encode_text(tokenizer, text, add_special_tokens=False)
-        try:
-            check_utf8(body.prompt, "prompt")
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), field="prompt") from None
-        return encode_text(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = encode_text(tokenizer, text, add_special_tokens=False)
+        else:
+            try:
+                check_utf8(body.prompt, "prompt")
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), field="prompt") from None
+            ids = encode_text(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
+        return json.dumps({"count": len(ids), "max_model_len": ctx.llm.max_model_len, "tokens": ids},
+                          separators=(",", ":")).encode()
 
-    ids = await ctx.llm.offload(run)
-    return JSONResponse({"count": len(ids), "max_model_len": ctx.llm.max_model_len, "tokens": list(ids)})
+    return Response(await ctx.llm.offload(run), media_type="application/json")
 
 
 async def detokenize(ctx: ServerContext, request: Request) -> Response:

@@ -223,3 +223,18 @@ def test_cpu_kernel_microbenchmarks_run_and_are_consistent(tmp_path):
         assert r["speedup"] == pytest.approx(r["f_linear_ms"] / r["packed_ms"])
     decode = report["paged_decode"]
     assert decode["num_seqs"] == 8 and decode["speedup"] == pytest.approx(decode["torch_ms"] / decode["c_kernel_ms"])
+
+
+def test_w_soak_tiny_run(llama_dir, tmp_path):
+    """W-SOAK against a real ``asyncllm serve`` child process: every request answered as expected."""
+    from benchmarks import w_soak
+
+    out = tmp_path / "w_soak.json"
+    report = w_soak.main(["--requests", "60", "--concurrency", "4", "--no-probe", "--model-dir", str(llama_dir),
+                          "--json", str(out)])
+    soak = report["soak"]
+    assert soak["requests"] == 60 and sum(soak["by_kind"].values()) == 60
+    assert soak["errors"] == 0, soak["error_samples"]
+    assert soak["health_after"] == 200 and soak["running_after"] == 0 and soak["kv_usage_after"] == 0
+    assert len(soak["rss_mib"]) >= 3 and all(mib > 0 for _, mib in soak["rss_mib"])
+    assert json.loads(out.read_text())["benchmark"] == "W-SOAK"

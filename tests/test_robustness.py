@@ -11,7 +11,7 @@ import pytest
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                              RequestTimeoutError)
-from asyncllm.frontend import output_processor
+from asyncllm.frontend import output_processor, tokenizing
 from asyncllm.frontend.tokenizing import LARGE_IDS, LARGE_TEXT_CHARS, decode_ids, encode_text, max_prompt_chars
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -121,11 +121,17 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(llm):
     assert calls == []
 
 
-def test_large_inputs_encode_and_decode_as_the_tokenizer_does(llm):
+def test_large_inputs_encode_and_decode_as_the_tokenizer_does(llm, monkeypatch):
     tok = llm.tokenizer
     text = ("Hello <|im_start|> wörld, the cat 猫 sat. " * 600)[:LARGE_TEXT_CHARS * 2]
     for special in (True, False):
         assert encode_text(tok, text, add_special_tokens=special) == tok.encode(text, add_special_tokens=special)
+    monkeypatch.setattr(tokenizing, "IDS_PIECE", 1000)  # long results are converted piece by piece
+    expected = tok.encode(text)
+    assert len(expected) > 3000 and encode_text(tok, text) == expected
+    with pytest.raises(tokenizing.TooManyTokens) as info:  # counted, never turned into a list
+        encode_text(tok, text, max_tokens=len(expected) - 1)
+    assert info.value.count == len(expected)
     ids = tok.encode(text) * 2
     assert len(ids) > LARGE_IDS
     assert decode_ids(tok, ids) == tok.decode(ids)

@@ -108,3 +108,13 @@ def test_example_command_line_defaults_to_the_demo_model_and_takes_a_port(tmp_pa
     assert (args.model, args.port) == (str(tmp_path), 9)
     parser = example_parser("Run.")
     assert parser.description == "Run." and not hasattr(parser.parse_args([]), "port")
+
+
+def test_resilient_service_example(model_dirs):
+    report = asyncio.run(_load("resilient_service").run(str(model_dirs["llama"])))
+    assert report["bad request"].startswith("refused, field 'seed'")
+    assert "timeout" in report["deadline"]
+    served, overloaded = (int(word) for word in report["burst of 16"].replace(",", "").split() if word.isdigit())
+    assert served >= 4 and overloaded >= 1 and served + overloaded == 16
+    assert report["engine fault"].startswith("4 streams got EngineDeadError; then 0 running, 0 blocks used")
+    assert "next request: 4 tokens" in report["engine fault"]

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import socket
 import statistics

@@ -1,15 +1,65 @@
-"""Helpers of the server tests: uvicorn in a background thread, a small PEFT adapter."""
+"""Helpers of the server tests: in-process requests, uvicorn in a background thread, ``asyncllm serve``
+in a child process, a small PEFT adapter."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import uvicorn
+
+
+def request(app, method: str, path: str, **kwargs) -> httpx.Response:
+    """One request to an ASGI app in this process (httpx's ASGI transport)."""
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            return await client.request(method, path, **kwargs)
+
+    return asyncio.run(main())
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    """The response is an OpenAI-shaped error with this status (and ``param``, when given)."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_serve(model: str, *args: str, env: dict | None = None, timeout: float = 60) -> tuple[subprocess.Popen, str]:
+    """``asyncllm serve MODEL --port P ARGS...`` in a child process, once /health answers 200;
+    returns the process (stdout and stderr merged, as text) and its base URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "serve", model, "--port", str(port), *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server did not start: {proc.communicate()[0][-2000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,5 @@
 """The OpenAI-style sub-app in-process (httpx's ASGI transport): formats, errors, routes, metrics."""
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from starlette.routing import Mount
 
 from asyncllm import AsyncLLM
 from asyncllm.server import create_app
+from server_helpers import assert_error, request
 
 CHAT = [{"role": "user", "content": "Tell me about the cat"}]
 
@@ -28,28 +28,10 @@ def app(llm):
     return create_app(llm)
 
 
-def request(app, method: str, path: str, **kwargs) -> httpx.Response:
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.request(method, path, **kwargs)
-
-    return asyncio.run(main())
-
-
 def sse_data(response: httpx.Response) -> list[str]:
     """The ``data:`` payloads of an SSE body, in order."""
     assert response.headers["content-type"].startswith("text/event-stream")
     return [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def metric(app, name: str, **labels) -> float:

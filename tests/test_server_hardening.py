@@ -13,6 +13,8 @@ import pytest
 from asyncllm import AsyncLLM
 from asyncllm.server import create_app
 from asyncllm.errors import ConfigError
+from server_helpers import assert_error
+from server_helpers import request as call
 
 CHAT = [{"role": "user", "content": "Tell me about the cat"}]
 
@@ -27,24 +29,6 @@ def llm(model_dirs):
 @pytest.fixture(scope="module")
 def app(llm):
     return create_app(llm, model_name="tiny")
-
-
-def call(app, method: str, path: str, **kwargs) -> httpx.Response:
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
-                                     timeout=30) as client:
-            return await client.request(method, path, **kwargs)
-
-    return asyncio.run(main())
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def served(app) -> None:

@@ -7,9 +7,6 @@ with the sub-app under ``/llm`` and a second one, with an API key, under ``/secu
 import asyncio
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,7 +14,7 @@ import openai
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
-from server_helpers import build_test_adapter, serve_in_thread
+from server_helpers import build_test_adapter, serve_in_thread, start_serve
 
 from asyncllm import AsyncLLM
 from asyncllm.server import create_app
@@ -192,34 +189,17 @@ def test_disconnect_while_waiting_aborts_at_once(server, llm):
     asyncio.run(main())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_command_with_lora_and_graceful_sigterm(model_dirs, tmp_path):
     pytest.importorskip("peft")
     adapter = build_test_adapter(model_dirs["llama"], tmp_path / "sql")
-    port = _free_port()
     env = {**os.environ, "ASYNCLLM_API_KEY": "k"}
-    proc = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "serve", str(model_dirs["llama"]),
-                             "--port", str(port), "--dtype", "float32", "--model-name", "served",
-                             "--lora", f"sql={adapter}"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, base = start_serve(str(model_dirs["llama"]), "--dtype", "float32", "--model-name", "served",
+                             "--lora", f"sql={adapter}", env=env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         auth = {"Authorization": "Bearer k"}
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth).json()
+        models = httpx.get(f"{base}/v1/models", headers=auth).json()
         assert [m["id"] for m in models["data"]] == ["served", "sql"]
-        completion = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers=auth,
+        completion = httpx.post(f"{base}/v1/completions", headers=auth,
                                 json={"model": "sql", "prompt": "Hi", "max_tokens": 3}).json()
         assert completion["model"] == "sql" and completion["usage"]["completion_tokens"] <= 3
         proc.send_signal(signal.SIGTERM)  # SIGINT takes the same path (uvicorn's handler)
@@ -233,20 +213,8 @@ def test_serve_command_with_lora_and_graceful_sigterm(model_dirs, tmp_path):
 
 def test_sigterm_ends_open_streams_with_an_error_event_and_done(model_dir_factory):
     path = model_dir_factory("llama", max_position_embeddings=MAX_LEN)  # a stream that would run for seconds
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "serve", str(path), "--port", str(port),
-                             "--dtype", "float32", "--model-name", "tiny"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_serve(str(path), "--dtype", "float32", "--model-name", "tiny")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         events = []
         body = {"model": "tiny", "messages": CHAT, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as response:

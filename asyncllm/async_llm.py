@@ -332,25 +332,28 @@ class AsyncLLM:
                     self.engine.abort_request(request_id)
 
     def _on_fault(self, exc: BaseException) -> bool:
-        """A step raised (engine thread, no step running): fail what was in flight, reset the
-        engine, and go on if the restart bound allows. Returns whether the loop keeps running."""
+        """A step raised (engine thread, no step running): reset the engine, fail what was in flight,
+        and go on if the restart bound allows. Returns whether the loop keeps running."""
         now = time.monotonic()
         self._faults.append(now)
         while self._faults and now - self._faults[0] > self.restart_window_s:
             self._faults.popleft()
         restart = self.auto_restart and len(self._faults) <= self.max_restarts and not self._closed
-        what = "restarting" if restart else (
+        what = "the engine was reset and serves again" if restart else (
             f"{len(self._faults)} faults in {self.restart_window_s:g} s: not restarting; call restart()"
             if self.auto_restart else "auto_restart is off; call restart()")
         error = EngineDeadError(f"the engine loop died: {exc!r} ({what})")
         error.__cause__ = exc
-        self._fail_in_flight_and_reset(error)
         with self._lock:
+            in_flight = self._reset_engine()
+            self._error = None if restart else error  # dead: new work is refused with the cause
             if restart:
-                self._error = None
                 self.num_restarts += 1
+        self._thread.publish_stats()  # stats() and /metrics read 0 running, 0 blocks from now on
         if restart:
             logger.warning("engine reset after a fault (%d within %g s)", len(self._faults), self.restart_window_s)
+        # streams learn of the fault only now, so a client that retries at once finds the engine serving
+        self._fail_streams(in_flight, error)
         return restart
 
     def _restart_now(self) -> None:
@@ -358,25 +361,31 @@ class AsyncLLM:
             with self._lock:
                 if self._closed:
                     raise EngineDeadError("this AsyncLLM has been closed")
+                self._error = EngineDeadError("the engine is restarting (AsyncLLM.restart())")  # /health: 503
             self._thread.stop()
             self._thread.join()
-            self._fail_in_flight_and_reset(EngineDeadError("the engine was restarted (AsyncLLM.restart())"))
+            with self._lock:
+                in_flight = self._reset_engine()
             self._thread = EngineThread(self.engine, self._dispatch, self._on_fault)
             with self._lock:
                 self._error = None
                 self._faults.clear()
                 self.num_restarts += 1
+            self._fail_streams(in_flight, EngineDeadError("the engine was restarted (AsyncLLM.restart())"))
 
-    def _fail_in_flight_and_reset(self, error: EngineDeadError) -> None:
-        """Refuse new work, end every in-flight stream with ``error``, and reset the engine (no step
-        may be running). New work stays refused until the caller clears ``_error``."""
-        with self._lock:  # requests are registered and queued under this lock: none slips past the reset
-            self._error = error
-            owners, self._owners = self._owners, {}
-            self.engine.reset()
-        self._thread.publish_stats()  # stats() and /metrics read 0 running, 0 blocks from now on
+    def _reset_engine(self) -> dict[str, _LoopBridge]:
+        """Reset the engine and return the requests that were in flight (call with the lock held,
+        and no step running). Requests are registered and queued under the same lock, so every
+        request is either among those returned or submitted to the reset engine."""
+        in_flight, self._owners = self._owners, {}
+        self.engine.reset()
+        return in_flight
+
+    @staticmethod
+    def _fail_streams(in_flight: dict[str, _LoopBridge], error: EngineDeadError) -> None:
+        """End these requests' streams with ``error``, one thread-safe call per event loop."""
         per_bridge: dict[_LoopBridge, list[str]] = defaultdict(list)
-        for request_id, bridge in owners.items():
+        for request_id, bridge in in_flight.items():
             per_bridge[bridge].append(request_id)
         for bridge, request_ids in per_bridge.items():
             try:

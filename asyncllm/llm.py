@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine.core import EngineCore
-from .errors import InvalidRequestError
+from .errors import EngineDeadError, InvalidRequestError
 from .frontend.input_processor import make_input_processor
 from .frontend.lora import load_lora
 from .frontend.output_processor import OutputProcessor
@@ -66,7 +66,7 @@ class LLM:
         with tqdm(total=len(requests), desc="generating", disable=not show) as progress:
             try:
                 while len(finals) < len(requests):
-                    for state in processor.process(self.engine.step()):
+                    for state in processor.process(self._step()):
                         if state.error is not None:
                             raise state.error
                         if state.finished:
@@ -80,6 +80,16 @@ class LLM:
             finally:
                 self.engine.apply_pending()  # stop strings found in the last step free their blocks now
         return [finals[request.request_id] for _, request in requests]
+
+    def _step(self):
+        """One engine step; a failure inside it resets the engine (nothing else runs in it: this
+        call's requests are dropped, every block freed) and becomes EngineDeadError, so the next
+        ``generate`` starts from a clean engine."""
+        try:
+            return self.engine.step()
+        except Exception as exc:
+            self.engine.reset()
+            raise EngineDeadError(f"an engine step failed: {exc!r} (the engine was reset)") from exc
 
     def add_lora(self, name: str, path: str) -> None:
         """Load and register a PEFT adapter under ``name`` (LoRAError if it does not fit the model)."""

@@ -399,3 +399,22 @@ def test_timeout_aborts_and_frees_blocks(model_dir_factory):
             assert (await llm.generate([5, 6], max_tokens=2, timeout=30, **GREEDY)).finished
 
     run(main())
+
+
+def test_sync_llm_survives_an_engine_fault(llama_path):
+    llm = LLM(llama_path, dtype="float32")
+    real_execute = llm.engine.runner.execute
+    calls = {"n": 0}
+
+    def execute(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected engine fault")
+        return real_execute(*args, **kwargs)
+
+    llm.engine.runner.execute = execute
+    with pytest.raises(EngineDeadError, match="injected engine fault"):
+        llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=10, **GREEDY))
+    assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_running"] == 0
+    outs = llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=10, **GREEDY))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [10, 10]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.kernels.metadata import AttentionMetadata
-from asyncllm.model.llama import DecoderShape
+from asyncllm.model.shape import DecoderShape
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")

@@ -17,9 +17,10 @@ import torch
 from safetensors import safe_open
 
 from ..errors import LoRAError
-from ..model.llama import DecoderShape
+from ..model.registry import LLAMA_LORA_TARGETS, architecture_named
+from ..model.shape import DecoderShape
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = LLAMA_LORA_TARGETS  # the modules the slots (adapters/slots.py) can apply LoRA to
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "layers_to_transform": "layers_to_transform"}
 _ids = itertools.count(1)
@@ -57,7 +58,7 @@ def load_peft_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank
     if not 0 < rank <= max_rank:
         raise LoRAError(f"adapter {name!r} has rank {rank}, above max_lora_rank={max_rank}" if rank > 0
                         else f"adapter {name!r}: invalid rank {rank}")
-    targets = _targets(name, config)
+    targets = _targets(name, config, architecture_named(shape.architecture).lora_targets)
     pairs = _read_tensors(name, root / "adapter_model.safetensors")
     weights = _build(name, config, pairs, shape, max_rank)
     found = tuple(sorted({t for _, t in weights}))
@@ -95,13 +96,16 @@ def _read_config(root: Path) -> dict:
     return config
 
 
-def _targets(name: str, config: dict) -> list[str]:
+def _targets(name: str, config: dict, allowed: tuple[str, ...]) -> list[str]:
+    """The adapter's target modules, each one the architecture takes LoRA on (model/registry.py)."""
     raw = config.get("target_modules") or []
     targets = [raw] if isinstance(raw, str) else list(raw)
-    unknown = [t for t in targets if t.split(".")[-1] not in TARGETS]
+    if not allowed:
+        raise LoRAError(f"adapter {name!r}: LoRA adapters are not supported for this architecture yet")
+    unknown = [t for t in targets if t.split(".")[-1] not in allowed]
     if unknown:
         raise LoRAError(f"adapter {name!r} targets modules the base model lacks or that cannot take LoRA: "
-                        f"{', '.join(unknown)} (supported: {', '.join(TARGETS)})")
+                        f"{', '.join(unknown)} (supported: {', '.join(allowed)})")
     return targets
 
 

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from ..errors import LoRAError
-from ..model.llama import DecoderShape
+from ..model.shape import DecoderShape
 from .peft_loader import LoRAWeights, load_peft_adapter
 
 

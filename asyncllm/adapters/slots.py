@@ -12,7 +12,7 @@ import torch
 
 from ..kernels.ops import use_cpu, use_triton
 from ..kernels import cpu_ops as cpu_kernels
-from ..model.llama import DecoderShape
+from ..model.shape import DecoderShape
 from .peft_loader import LoRAWeights, module_shapes
 
 # our fused module -> the PEFT targets it holds, in column order

@@ -1,12 +1,11 @@
-"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3, chosen by config.
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and Phi-3, chosen by config.
 
 Module and parameter names follow Hugging Face's, except that q/k/v and gate/up projections are
-fused into one matmul each (``qkv_proj``, ``gate_up_proj``); the loader fills their slices.
+fused into one matmul each (``qkv_proj``, ``gate_up_proj``); the loader fills their slices as the
+architecture's entry in ``model/registry.py`` says (Phi-3 checkpoints are fused already).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,41 +13,7 @@ from torch import nn
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import add_rms_norm, rms_norm, silu_and_mul
 from .rotary import RotaryEmbedding
-
-
-@dataclass
-class DecoderShape:
-    """The architecture facts the decoder needs, read from a transformers config."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_hf_config(cls, config) -> "DecoderShape":
-        model_type = getattr(config, "model_type", "")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
+from .shape import DecoderShape
 
 
 class RMSNorm(nn.Module):

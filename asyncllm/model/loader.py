@@ -10,14 +10,10 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..errors import ModelLoadError
-from .llama import LlamaFamilyModel
+from .registry import Architecture, architecture_for, supported_architectures
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(supported_architectures())
 _PROGRESS_MIN_BYTES = 512 * 2**20  # show a progress bar only for checkpoints worth waiting on
-
-# Hugging Face projection name -> (our fused parameter, which slice of it)
-_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -34,11 +30,7 @@ def load_hf_config(root: Path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(root, local_files_only=True)
-    architectures = getattr(config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-        raise ModelLoadError(
-            f"unsupported architecture {architectures or getattr(config, 'model_type', '?')}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    architecture_for(config)  # refuses architectures (and variants) this engine does not implement
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ModelLoadError(f"unsupported activation {config.hidden_act!r} (only silu)")
     return config
@@ -65,8 +57,9 @@ def safetensors_files(root: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: LlamaFamilyModel, root: Path) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter; all must be covered."""
+def load_weights(model, root: Path, arch: Architecture) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter, as ``arch.fused`` places
+    them; every parameter (and every slice of a fused one) must be covered."""
     params = dict(model.named_parameters())
     filled: set[str] = set()
     files = safetensors_files(root)
@@ -77,20 +70,20 @@ def load_weights(model: LlamaFamilyModel, root: Path) -> None:
             with safe_open(file, framework="pt") as reader:
                 for name in reader.keys():
                     tensor = reader.get_tensor(name)
-                    target = _copy_tensor(model, params, name, tensor)
+                    target = _copy_tensor(model, params, name, tensor, arch.fused)
                     if target:
                         filled.add(target)
                     progress.update(tensor.numel() * tensor.element_size())
-    missing = sorted(_expected_pieces(params) - filled)
+    missing = sorted(_expected_pieces(params, arch.fused) - filled)
     if missing:
         raise ModelLoadError(f"checkpoint {root} lacks weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
 
 
-def _copy_tensor(model: LlamaFamilyModel, params: dict, name: str, tensor: torch.Tensor) -> str | None:
+def _copy_tensor(model, params: dict, name: str, tensor: torch.Tensor, fused_map: dict) -> str | None:
     if "rotary_emb" in name or (name == "lm_head.weight" and model.shape.tie_word_embeddings):
         return None
-    for hf_name, (fused, part) in _FUSED.items():
+    for hf_name, (fused, part) in fused_map.items():
         if f".{hf_name}." in name:
             target = name.replace(hf_name, fused)
             _check_known(params, target, name)
@@ -103,20 +96,23 @@ def _copy_tensor(model: LlamaFamilyModel, params: dict, name: str, tensor: torch
     return name
 
 
-def _expected_pieces(params: dict) -> set[str]:
-    """Names every checkpoint must fill: one per plain parameter, one per slice of a fused one."""
+def _expected_pieces(params: dict, fused_map: dict) -> set[str]:
+    """Names every checkpoint must fill: one per plain parameter, one per slice of a parameter the
+    checkpoint stores in pieces (``fused_map``), one for a parameter it stores fused already."""
+    parts: dict[str, list] = {}
+    for fused, part in fused_map.values():
+        parts.setdefault(fused, []).append(part)
     pieces = set()
     for name in params:
-        if ".qkv_proj." in name:
-            pieces.update(f"{name}:{part}" for part in ("q", "k", "v"))
-        elif ".gate_up_proj." in name:
-            pieces.update(f"{name}:{part}" for part in (0, 1))
+        module = name.split(".")[-2] if "." in name else ""
+        if module in parts:
+            pieces.update(f"{name}:{part}" for part in parts[module])
         else:
             pieces.add(name)
     return pieces
 
 
-def _slice_of(model: LlamaFamilyModel, fused: str, part, rows: int) -> tuple[int, int]:
+def _slice_of(model, fused: str, part, rows: int) -> tuple[int, int]:
     shape = model.shape
     if fused == "gate_up_proj":
         half = rows // 2

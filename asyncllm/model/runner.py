@@ -21,7 +21,8 @@ from ..kernels.ops import cpu_ops, triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
 from ..kernels.triton_utils import check_triton_device, interpreting, triton_available
 from .cuda_graphs import DecodeGraphs
-from .llama import DecoderShape, LlamaFamilyModel
+from .registry import architecture_for
+from .shape import DecoderShape
 from .loader import load_weights
 from .rotary import RotaryEmbedding, rope_frequencies
 
@@ -91,10 +92,11 @@ class ModelRunner:
         inv_freq, scaling = rope_frequencies(hf_config, self.shape.head_dim)
         rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
         self.lora = LoRASlots(self.shape, config.max_loras, config.max_lora_rank, self.device, self.dtype)
+        self.architecture = architecture_for(hf_config)
         with torch.device("meta"):
-            model = LlamaFamilyModel(self.shape, rotary, self.backend, self.lora).to(self.dtype)
+            model = self.architecture.build(self.shape, rotary, self.backend, self.lora).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
-        load_weights(self.model, root)
+        load_weights(self.model, root, self.architecture)
         # The CPU fast path (packed oneDNN weights, C kernels, fused greedy sampling) unless the torch
         # reference was asked for: attention_backend="torch" stays plain torch, the tests' oracle.
         self.cpu_fast_path = self.device.type == "cpu" and config.attention_backend != "torch"

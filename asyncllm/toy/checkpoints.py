@@ -20,6 +20,7 @@ from .tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, MODEL_VOCAB_SIZE, PAD_TOKEN_I
 # --------------------------------------------------------------------------
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
+EXTRA_KINDS = ("phi3",)  # built on request (fused-checkpoint families), not part of every suite
 
 # Weight std for all matrices / embeddings, and the extra factor on the final
 # norm weight (= logit temperature). Chosen so greedy text is varied and the
@@ -85,8 +86,18 @@ def _config(kind: str, overrides: dict[str, Any]):
             sliding_window=None,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
+    elif kind == "phi3":
+        from transformers import Phi3Config
+
+        cls = Phi3Config
+        kw = dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+        )
     else:
-        raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {KINDS}")
+        raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {KINDS + EXTRA_KINDS}")
     args = {**_COMMON, **kw, **overrides}
     return cls(**args)
 
@@ -99,6 +110,7 @@ def _model_class(kind: str):
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }[kind]
 
 

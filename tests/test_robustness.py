@@ -12,6 +12,7 @@ from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                              RequestTimeoutError)
 from asyncllm.frontend import output_processor, tokenizing
+from fault_injection import inject_faults
 from asyncllm.frontend.tokenizing import LARGE_IDS, LARGE_TEXT_CHARS, decode_ids, encode_text, max_prompt_chars
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -265,21 +266,6 @@ def test_a_failure_in_one_requests_output_processing_ends_only_that_request(llam
 
 # ---- engine faults: every stream told, counters true, the engine back in the same process ----------
 
-def _inject_faults(llm: AsyncLLM, after_calls: int, times: int):
-    real_execute = llm.engine.runner.execute
-    state = {"calls": 0, "left": times}
-
-    def execute(*args, **kwargs):
-        state["calls"] += 1
-        if state["calls"] > after_calls and state["left"] > 0:
-            state["left"] -= 1
-            raise RuntimeError("injected engine fault")
-        return real_execute(*args, **kwargs)
-
-    llm.engine.runner.execute = execute
-    return state
-
-
 async def _wait_idle(llm: AsyncLLM, timeout: float = 5.0) -> None:
     for _ in range(int(timeout / 0.01)):
         stats = llm.stats()
@@ -292,7 +278,7 @@ async def _wait_idle(llm: AsyncLLM, timeout: float = 5.0) -> None:
 def test_engine_fault_fails_streams_resets_counters_and_serves_again(llama_path):
     async def main():
         async with AsyncLLM(llama_path, dtype="float32") as llm:
-            _inject_faults(llm, after_calls=5, times=1)
+            inject_faults(llm, after_calls=5, times=1)
 
             async def consume(i):
                 async for _ in llm.stream([5 + i, 6], max_tokens=100, **GREEDY):
@@ -314,7 +300,7 @@ def test_engine_fault_fails_streams_resets_counters_and_serves_again(llama_path)
 def test_restarts_are_bounded_and_restart_brings_the_engine_back(llama_path):
     async def main():
         async with AsyncLLM(llama_path, dtype="float32", max_restarts=2, restart_window_s=60) as llm:
-            faults = _inject_faults(llm, after_calls=0, times=10**9)  # every step fails
+            faults = inject_faults(llm, after_calls=0, times=10**9)  # every step fails
             for _ in range(3):
                 with pytest.raises(EngineDeadError):
                     await asyncio.wait_for(llm.generate([5, 6], max_tokens=2), 10)
@@ -403,16 +389,7 @@ def test_timeout_aborts_and_frees_blocks(model_dir_factory):
 
 def test_sync_llm_survives_an_engine_fault(llama_path):
     llm = LLM(llama_path, dtype="float32")
-    real_execute = llm.engine.runner.execute
-    calls = {"n": 0}
-
-    def execute(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected engine fault")
-        return real_execute(*args, **kwargs)
-
-    llm.engine.runner.execute = execute
+    inject_faults(llm, after_calls=2, times=1)
     with pytest.raises(EngineDeadError, match="injected engine fault"):
         llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=10, **GREEDY))
     assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_running"] == 0

@@ -13,6 +13,7 @@ import pytest
 from asyncllm import AsyncLLM
 from asyncllm.server import create_app
 from asyncllm.errors import ConfigError
+from fault_injection import inject_faults
 from server_helpers import assert_error
 from server_helpers import request as call
 
@@ -148,16 +149,7 @@ def test_lora_loading_is_opt_in_and_confined(llm, model_dirs, tmp_path):
 def test_engine_fault_over_http_heals(model_dirs):
     llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32", max_model_len=512)
     app = create_app(llm, model_name="tiny")
-    real_execute = llm.engine.runner.execute
-    calls = {"n": 0}
-
-    def execute(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise RuntimeError("injected engine fault")
-        return real_execute(*args, **kwargs)
-
-    llm.engine.runner.execute = execute
+    inject_faults(llm, after_calls=5, times=1)
     try:
         stream = call(app, "POST", "/v1/chat/completions",
                       json={"messages": CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True})

@@ -27,8 +27,6 @@ from .stopping import StopChecker, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}
-
 
 @dataclass
 class SequenceOutput:
@@ -67,7 +65,7 @@ class EngineCore:
     def _build_scheduling_state(self) -> None:
         config = self.config
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        budget = config.max_num_batched_tokens or _DEFAULT_TOKEN_BUDGET.get(self.runner.device.type, 2048)
+        budget = config.max_num_batched_tokens or self.runner.platform.default_token_budget
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, config.max_loras)
 
     def reset(self) -> None:
@@ -230,7 +228,7 @@ class EngineCore:
             return []
         rows = [self._sampling_row(seq) for seq, _ in to_sample]
         index = torch.tensor([row for _, row in to_sample], device=logits.device)
-        result = sample(logits[index], rows, self.generator, fused_greedy=self.runner.cpu_fast_path)
+        result = sample(logits[index], rows, self.generator, fused_greedy=self.runner.platform.fused_greedy)
         outputs = []
         for i, (seq, _) in enumerate(to_sample):
             token = result.token_ids[i]

@@ -14,67 +14,30 @@ from ..adapters.slots import LoRASlots
 from ..config import EngineConfig
 from ..engine.scheduler import ScheduledBatch
 from ..errors import ConfigError
-from ..kernels.cpu_attention import CpuAttentionBackend, cpu_kernels_available
-from ..kernels.cpu_linear import pack_linear_layers, packing_supported
+from ..kernels.cpu_attention import CpuAttentionBackend
+from ..kernels.cpu_linear import pack_linear_layers
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import cpu_ops, triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
-from ..kernels.triton_utils import check_triton_device, interpreting, triton_available
 from .cuda_graphs import DecodeGraphs
+from ..platform import Platform, decide_platform
+from .loader import load_weights
 from .registry import architecture_for
 from .shape import DecoderShape
-from .loader import load_weights
 from .rotary import RotaryEmbedding, rope_frequencies
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_SHARE, _CPU_KV_CAP = 0.25, 4 * 2**30   # default KV budget on CPU: a quarter of free RAM, at most 4 GiB
 _CUDA_KV_SHARE = 0.85                           # of free device memory after the weights are loaded
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (fastest there without bf16 matmul units); the checkpoint's
-    dtype on CUDA, with float32 checkpoints run in bfloat16."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    stored = _DTYPES.get(str(stored).replace("torch.", ""), torch.bfloat16)
-    return torch.bfloat16 if stored == torch.float32 else stored
-
-
-def select_backend(name: str, device: torch.device, shape: DecoderShape, dtype: torch.dtype = torch.float32):
-    """``auto``: the Triton kernels on CUDA (when triton is installed); on CPU in float32 the C decode
-    kernel (when a C compiler could build it), else the torch reference. ``triton`` forces the kernels
-    (on CPU only under TRITON_INTERPRET=1); ``cpu`` forces the C kernel; ``torch`` forces the reference."""
-    if name == "auto":
-        if device.type == "cuda" and triton_available():
-            name = "triton"
-        elif device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available():
-            name = "cpu"
-        else:
-            name = "torch"
-    if name == "torch":
+def build_attention_backend(platform: Platform, shape: DecoderShape):
+    """The attention backend the platform chose (docs/architecture.md, docs/kernels.md, docs/cpu.md)."""
+    if platform.attention_backend == "torch":
         return TorchAttentionBackend()
-    if name == "cpu":
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ConfigError(f"attention_backend='cpu' runs float32 on the CPU, not {dtype} on {device.type}")
-        if not cpu_kernels_available():
-            raise ConfigError("attention_backend='cpu' needs a C compiler to build its kernel (see the log), "
-                              "or set ASYNCLLM_CPU_KERNELS=1 if it was turned off; use 'torch' instead")
+    if platform.attention_backend == "cpu":
         return CpuAttentionBackend()
-    check_triton_device(device)
     from ..kernels.triton_attention import TritonAttentionBackend  # imports triton: only when asked for
 
     return TritonAttentionBackend(shape.num_heads, shape.num_kv_heads)
@@ -84,11 +47,11 @@ class ModelRunner:
     """Owns the model weights and the paged KV cache tensors."""
 
     def __init__(self, config: EngineConfig, hf_config, root: Path, max_model_len: int) -> None:
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.platform = decide_platform(config, hf_config)
+        self.device, self.dtype = self.platform.device, self.platform.dtype
         self.block_size = config.block_size
         self.shape = DecoderShape.from_hf_config(hf_config)
-        self.backend = select_backend(config.attention_backend, self.device, self.shape, self.dtype)
+        self.backend = build_attention_backend(self.platform, self.shape)
         inv_freq, scaling = rope_frequencies(hf_config, self.shape.head_dim)
         rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
         self.lora = LoRASlots(self.shape, config.max_loras, config.max_lora_rank, self.device, self.dtype)
@@ -97,20 +60,20 @@ class ModelRunner:
             model = self.architecture.build(self.shape, rotary, self.backend, self.lora).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
         load_weights(self.model, root, self.architecture)
-        # The CPU fast path (packed oneDNN weights, C kernels, fused greedy sampling) unless the torch
-        # reference was asked for: attention_backend="torch" stays plain torch, the tests' oracle.
-        self.cpu_fast_path = self.device.type == "cpu" and config.attention_backend != "torch"
-        if self.cpu_fast_path:
+        if self.platform.packed_linears:
             self._pack_cpu_linears()
         rotary.build(self.device, self.dtype)
         self.num_blocks = self._count_blocks(config, max_model_len)
         self.kv_caches = self._allocate_kv_caches()
         self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
 
+    @property
+    def cpu_fast_path(self) -> bool:
+        """Packed linears, C kernels and the fused greedy pick (the platform's CPU choice)."""
+        return self.platform.fused_greedy
+
     def _pack_cpu_linears(self) -> None:
         """On CPU, hand every projection (and the LM head) to oneDNN with pre-packed weights."""
-        if not packing_supported(self.device, self.dtype):
-            return
         tied = {"lm_head": self.model.model.embed_tokens.weight} if self.shape.tie_word_embeddings else None
         pack_linear_layers(self.model, extra=tied)
 
@@ -134,7 +97,7 @@ class ModelRunner:
         return num_blocks
 
     def _default_kv_bytes(self) -> int:
-        if self.device.type == "cuda":
+        if self.platform.is_cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * _CUDA_KV_SHARE)
         return int(min(_available_ram() * _CPU_KV_SHARE, _CPU_KV_CAP))
@@ -176,7 +139,7 @@ class ModelRunner:
         return self.backend.name == "triton"
 
     def _capture_cuda_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
-        if not (config.enable_cuda_graphs and self.device.type == "cuda" and self.uses_triton) or interpreting():
+        if not self.platform.cuda_graphs:
             return None
         with self._on_device(), triton_ops(True):
             graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_model_len,
@@ -185,12 +148,13 @@ class ModelRunner:
 
     def _fused_ops(self):
         """The elementwise kernels that go with the attention backend (none for the torch reference)."""
-        return triton_ops(True) if self.uses_triton else cpu_ops(self.backend.name == "cpu")
+        family = self.platform.kernel_family
+        return triton_ops(True) if family == "triton" else cpu_ops(family == "cpu")
 
     def _on_device(self):
         """Make the engine's GPU current: Triton launches on the current device, and a thread's
         current device is cuda:0 whatever device the engine was given."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        return torch.cuda.device(self.device) if self.platform.is_cuda else contextlib.nullcontext()
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The decoder over the flattened batch: a CUDA graph replay for a decode-only step that fits

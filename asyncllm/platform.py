@@ -1,0 +1,111 @@
+"""The platform decision: where and how the model runs, decided once per engine.
+
+Device, dtype, attention backend, the fused-kernel family that goes with it, packed CPU linears,
+the fused greedy sampler, CUDA graphs, the default token budget and the torch.distributed backend
+all follow from the engine arguments and the machine. They are decided here, in one function, and
+the model runner, the engine core and the sampler read the resulting :class:`Platform` instead of
+branching on device strings themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}  # per engine step (docs/cpu.md has the CPU trade-off)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What :func:`decide_platform` chose; read-only."""
+
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: str        # "triton", "cpu" (the C kernels) or "torch" (the reference)
+    kernel_family: str | None     # fused elementwise ops: "triton", "cpu", or None (plain torch)
+    packed_linears: bool          # CPU: projections through oneDNN with weights packed at load
+    fused_greedy: bool            # CPU: greedy rows picked by the C kernel (argmax + logprob in one pass)
+    cuda_graphs: bool             # decode steps replayed as CUDA graphs
+    default_token_budget: int     # max_num_batched_tokens when the engine arguments leave it unset
+    distributed_backend: str      # torch.distributed backend for tensor parallelism: "nccl" or "gloo"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (fastest there without bf16 matmul units); the checkpoint's
+    dtype on CUDA, with float32 checkpoints run in bfloat16."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    stored = DTYPES.get(str(stored).replace("torch.", ""), torch.bfloat16)
+    return torch.bfloat16 if stored == torch.float32 else stored
+
+
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: the Triton kernels on CUDA (when triton is installed); on CPU in float32 the C decode
+    kernel (when a C compiler could build it), else the torch reference. ``triton`` forces the kernels
+    (on CPU only under TRITON_INTERPRET=1); ``cpu`` forces the C kernel; ``torch`` forces the reference."""
+    from .kernels.cpu_attention import cpu_kernels_available
+    from .kernels.triton_utils import check_triton_device, triton_available
+
+    if name == "auto":
+        if device.type == "cuda" and triton_available():
+            name = "triton"
+        elif device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available():
+            return "cpu"
+        else:
+            return "torch"
+    if name == "cpu":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ConfigError(f"attention_backend='cpu' runs float32 on the CPU, not {dtype} on {device.type}")
+        if not cpu_kernels_available():
+            raise ConfigError("attention_backend='cpu' needs a C compiler to build its kernel (see the log), "
+                              "or set ASYNCLLM_CPU_KERNELS=1 if it was turned off; use 'torch' instead")
+    if name == "triton":
+        check_triton_device(device)
+    return name
+
+
+def decide_platform(config: EngineConfig, hf_config) -> Platform:
+    """Every platform choice of one engine, from its arguments and this machine."""
+    from .kernels.cpu_linear import packing_supported
+    from .kernels.triton_utils import interpreting
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    backend = resolve_attention_backend(config.attention_backend, device, dtype)
+    # The CPU fast path (packed oneDNN weights, C kernels, fused greedy sampling) unless the torch
+    # reference was asked for: attention_backend="torch" stays plain torch, the tests' oracle.
+    cpu_fast_path = device.type == "cpu" and config.attention_backend != "torch"
+    return Platform(
+        device=device,
+        dtype=dtype,
+        attention_backend=backend,
+        kernel_family={"triton": "triton", "cpu": "cpu"}.get(backend),
+        packed_linears=cpu_fast_path and packing_supported(device, dtype),
+        fused_greedy=cpu_fast_path,
+        cuda_graphs=(config.enable_cuda_graphs and device.type == "cuda" and backend == "triton"
+                     and not interpreting()),
+        default_token_budget=DEFAULT_TOKEN_BUDGET.get(device.type, 2048),
+        distributed_backend="nccl" if device.type == "cuda" else "gloo",
+    )

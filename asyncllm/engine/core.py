@@ -23,6 +23,7 @@ from ..structured import prefetch_masks
 from .kv_cache import KVCacheManager
 from .request import EngineRequest, Sequence, SequenceStatus
 from .scheduler import ScheduledBatch, Scheduler
+from .step_input import StepInput
 from .stopping import StopChecker, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class EngineCore:
     def _run(self, batch: ScheduledBatch) -> list[SequenceOutput]:
         rows, plans = self._plan_logits(batch)
         self._prefetch_grammar_masks(batch, plans)
-        logits = self.runner.execute(batch, rows)
+        logits = self.runner.execute(StepInput.from_batch(batch, rows))
         prompt_lps: dict[int, list[dict[int, float]]] = {}
         to_sample: list[tuple[Sequence, int]] = []
         for seq, n, (prompt_plan, sample_row) in zip(batch.seqs, batch.num_new_tokens, plans):

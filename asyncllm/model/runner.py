@@ -1,4 +1,4 @@
-"""Turns a scheduled batch into tensors, runs the model and returns the logits that are needed."""
+"""Turns a step record (engine/step_input.py) into tensors, runs the model and returns the logits that are needed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from ..adapters.slots import LoRASlots
 from ..config import EngineConfig
-from ..engine.scheduler import ScheduledBatch
+from ..engine.step_input import StepInput
 from ..errors import ConfigError
 from ..kernels.cpu_attention import CpuAttentionBackend
 from ..kernels.cpu_linear import pack_linear_layers
@@ -110,27 +110,27 @@ class ModelRunner:
                 for _ in range(s.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, logit_rows: list[int]) -> torch.Tensor:
-        """Run one step; return logits ([len(logit_rows), vocab], float32) of the chosen flat positions."""
-        self._copy_blocks(batch.block_copies)
-        self._prepare_lora(batch)
-        input_ids, positions, meta = self._prepare(batch)
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run one step; return logits ([len(step.logit_rows), vocab], float32) of the chosen flat positions."""
+        self._copy_blocks(step.block_copies)
+        self._prepare_lora(step)
+        input_ids, positions, meta = self._prepare(step)
         hidden = self._forward(input_ids, positions, meta)
-        rows = torch.tensor(logit_rows, device=self.device, dtype=torch.long)
+        rows = torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)
         return self.model.compute_logits(hidden[rows]).float()
 
-    def _prepare_lora(self, batch: ScheduledBatch) -> None:
-        """Slot the batch's adapters and group its tokens by slot (no adapters: nothing to do)."""
-        adapters = {seq.request.lora.adapter_id: seq.request.lora for seq in batch.seqs if seq.request.lora}
+    def _prepare_lora(self, step: StepInput) -> None:
+        """Slot the step's adapters and group its tokens by slot (no adapters: nothing to do)."""
+        adapters = {lora.adapter_id: lora for lora in step.loras if lora is not None}
         if not adapters:
             self.lora.groups = []
             return
-        slots = self.lora.activate(list(adapters.values()), batch.loras_in_use)
+        slots = self.lora.activate(list(adapters.values()), step.loras_in_use)
         rows: dict[int, list[int]] = {}
         start = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.request.lora:
-                rows.setdefault(slots[seq.request.lora.adapter_id], []).extend(range(start, start + n))
+        for lora, n in zip(step.loras, step.num_new_tokens):
+            if lora is not None:
+                rows.setdefault(slots[lora.adapter_id], []).extend(range(start, start + n))
             start += n
         self.lora.set_groups(rows)
 
@@ -173,32 +173,28 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids: list[int] = []
-        starts, query_start, seq_lens = [], [0], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
-            starts.append(start)
+    def _prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        query_start = [0]
+        for n in step.num_new_tokens:
             query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+        seq_lens = [start + n for start, n in zip(step.start_positions, step.num_new_tokens)]
+        max_blocks = max(len(table) for table in step.block_tables)
+        tables = [table + [0] * (max_blocks - len(table)) for table in step.block_tables]
         dev = self.device
         block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-        query_lens = torch.tensor(batch.num_new_tokens, device=dev)
-        seq_index = torch.repeat_interleave(torch.arange(len(batch.seqs), device=dev), query_lens)
-        offsets = torch.tensor(starts, device=dev) - torch.tensor(query_start[:-1], device=dev)
-        positions = torch.arange(len(ids), device=dev) + offsets[seq_index]
+        query_lens = torch.tensor(step.num_new_tokens, device=dev)
+        seq_index = torch.repeat_interleave(torch.arange(step.num_seqs, device=dev), query_lens)
+        offsets = torch.tensor(step.start_positions, device=dev) - torch.tensor(query_start[:-1], device=dev)
+        positions = torch.arange(len(step.token_ids), device=dev) + offsets[seq_index]
         slots = block_tables[seq_index, positions // self.block_size] * self.block_size + positions % self.block_size
         meta = AttentionMetadata(
             slot_mapping=slots, query_start=query_start, seq_lens=seq_lens, block_tables=block_tables,
             seq_lens_tensor=torch.tensor(seq_lens, device=dev), query_start_tensor=torch.tensor(query_start, device=dev),
             block_size=self.block_size,
-            decode_indices=[i for i, n in enumerate(batch.num_new_tokens) if n == 1],
-            prefill_indices=[i for i, n in enumerate(batch.num_new_tokens) if n > 1])
+            decode_indices=[i for i, n in enumerate(step.num_new_tokens) if n == 1],
+            prefill_indices=[i for i, n in enumerate(step.num_new_tokens) if n > 1])
         self.backend.prepare(meta)
-        return torch.tensor(ids, device=dev), positions, meta
+        return torch.tensor(step.token_ids, device=dev), positions, meta
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""``StepInput``: one engine step's work for the model, as plain data.
+
+The engine builds it from the scheduler's batch; the model runner reads only it, never the
+engine's live ``Sequence`` objects. Everything in it is lists, integers and the adapters' weights,
+so one record can describe a step to another process (the rank-0-to-workers broadcast of tensor
+parallelism builds on this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .scheduler import ScheduledBatch
+
+
+@dataclass
+class StepInput:
+    """What the model computes in one step. Sequence ``i`` contributes ``num_new_tokens[i]`` tokens,
+    starting at position ``start_positions[i]``; its KV blocks are ``block_tables[i]``."""
+
+    token_ids: list[int]                      # the new tokens of every sequence, flattened in batch order
+    start_positions: list[int]                # per sequence: the position of its first new token
+    num_new_tokens: list[int]                 # per sequence
+    block_tables: list[list[int]]             # per sequence: its KV blocks, in order
+    logit_rows: list[int]                     # flat token positions whose logits are returned
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, done first
+    loras: list[Any] = field(default_factory=list)      # per sequence: its adapter's weights, or None
+    loras_in_use: set[int] = field(default_factory=set)  # adapter ids of every running sequence
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_new_tokens)
+
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch, logit_rows: list[int]) -> "StepInput":
+        token_ids: list[int] = []
+        starts = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            token_ids.extend(seq.token_ids[start:start + n])
+            starts.append(start)
+        return cls(token_ids=token_ids, start_positions=starts, num_new_tokens=list(batch.num_new_tokens),
+                   block_tables=[list(seq.block_table) for seq in batch.seqs], logit_rows=list(logit_rows),
+                   block_copies=list(batch.block_copies), loras=[seq.request.lora for seq in batch.seqs],
+                   loras_in_use=set(batch.loras_in_use))

@@ -1,0 +1,35 @@
+"""The model runner works from a plain step record (engine/step_input.py), never the engine's
+Sequence objects: a record survives pickling (as it would crossing to another process) and gives
+the same logits, equal to transformers' next-token logits."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from asyncllm import LLM
+from asyncllm.engine.step_input import StepInput
+from checkpoints import load_reference_model
+
+
+def test_runner_from_a_plain_record(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", block_size=4, attention_backend="torch")
+    runner = llm.engine.runner
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    step = StepInput(token_ids=[t for p in prompts for t in p], start_positions=[0, 0], num_new_tokens=[6, 3],
+                     block_tables=[[0, 1], [2]], logit_rows=[5, 8])
+    copy = pickle.loads(pickle.dumps(step))
+    logits = runner.execute(step)
+    assert torch.equal(logits, runner.execute(copy))  # the KV it writes is the same: same result
+    reference = load_reference_model(model_dirs["llama"])
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            expected = reference(torch.tensor([prompt])).logits[0, -1]
+            torch.testing.assert_close(logits[i], expected, rtol=1e-4, atol=1e-4)
+    # a decode step continues from the KV the prefill wrote
+    decode = StepInput(token_ids=[int(logits[0].argmax())], start_positions=[6], num_new_tokens=[1],
+                       block_tables=[[0, 1]], logit_rows=[0])
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompts[0] + decode.token_ids])).logits[0, -1]
+    torch.testing.assert_close(runner.execute(decode)[0], expected, rtol=1e-4, atol=1e-4)

@@ -33,3 +33,29 @@ def test_runner_from_a_plain_record(model_dirs):
     with torch.no_grad():
         expected = reference(torch.tensor([prompts[0] + decode.token_ids])).logits[0, -1]
     torch.testing.assert_close(runner.execute(decode)[0], expected, rtol=1e-4, atol=1e-4)
+
+
+class _Seq:  # what BlockTableRows reads of a sequence
+    def __init__(self, table):
+        from asyncllm.engine.request import SequenceStatus
+
+        self.block_table, self.status = table, SequenceStatus.RUNNING
+
+
+def test_block_table_rows_send_only_changes():
+    from asyncllm.engine.block_tables import BlockTableRows
+    from asyncllm.engine.request import SequenceStatus
+
+    rows = BlockTableRows(capacity=2)
+    a, b = _Seq([3, 4]), _Seq([7])
+    assert rows.describe([a, b]) == ([0, 1], [(0, 0, [3, 4]), (1, 0, [7])])  # new rows: whole tables
+    assert rows.describe([a, b]) == ([0, 1], [])                             # nothing changed
+    a.block_table.append(9)
+    assert rows.describe([a, b]) == ([0, 1], [(0, 2, [9])])                  # grown: the new block only
+    a.block_table[-1] = 12                                                   # copy-on-write of the last block
+    assert rows.describe([a]) == ([0], [(0, 2, [12])])
+    b.status = SequenceStatus.FINISHED                                       # its row is released ...
+    c = _Seq([5, 6])
+    assert rows.describe([a, c]) == ([0, 1], [(1, 0, [5, 6])])               # ... and reused from block 0
+    a.block_table[:] = [20]                                                  # recomputed after preemption
+    assert rows.describe([a, c]) == ([0, 1], [(0, 0, [20])])

@@ -23,6 +23,7 @@ from ..structured import prefetch_masks
 from .kv_cache import KVCacheManager
 from .request import EngineRequest, Sequence, SequenceStatus
 from .scheduler import ScheduledBatch, Scheduler
+from .block_tables import BlockTableRows
 from .step_input import StepInput
 from .stopping import StopChecker, resolve_max_model_len
 
@@ -68,6 +69,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         budget = config.max_num_batched_tokens or self.runner.platform.default_token_budget
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, config.max_loras)
+        self.block_table_rows = BlockTableRows(config.max_num_seqs)
 
     def reset(self) -> None:
         """Forget every request and free every KV block, keeping the model: the engine after a fault.
@@ -167,7 +169,7 @@ class EngineCore:
     def _run(self, batch: ScheduledBatch) -> list[SequenceOutput]:
         rows, plans = self._plan_logits(batch)
         self._prefetch_grammar_masks(batch, plans)
-        logits = self.runner.execute(StepInput.from_batch(batch, rows))
+        logits = self.runner.execute(StepInput.from_batch(batch, rows, self.block_table_rows))
         prompt_lps: dict[int, list[dict[int, float]]] = {}
         to_sample: list[tuple[Sequence, int]] = []
         for seq, n, (prompt_plan, sample_row) in zip(batch.seqs, batch.num_new_tokens, plans):

@@ -64,6 +64,9 @@ class ModelRunner:
             self._pack_cpu_linears()
         rotary.build(self.device, self.dtype)
         self.num_blocks = self._count_blocks(config, max_model_len)
+        # every running sequence's block table, kept across steps (engine/block_tables.py)
+        self._table_buffer = torch.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)),
+                                         dtype=torch.long)
         self.kv_caches = self._allocate_kv_caches()
         self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
 
@@ -173,15 +176,29 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+    def _block_tables(self, step: StepInput, seq_lens: list[int]) -> torch.Tensor:
+        """The step's block tables on the device, ``[sequences, max blocks]``: gathered from the
+        persistent buffer after applying the step's changes (the engine's records), or padded from
+        full tables (a hand-made record)."""
+        max_blocks = max(-(-n // self.block_size) for n in seq_lens)
+        if step.table_rows is None:
+            tables = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in step.block_tables]
+            return torch.tensor(tables, dtype=torch.long, device=self.device)
+        buffer = self._table_buffer
+        for row, start, blocks in step.table_updates:
+            if start == 0:  # a row taken over by another sequence: no stale blocks behind its table
+                buffer[row].zero_()
+            buffer[row, start:start + len(blocks)] = torch.tensor(blocks, dtype=buffer.dtype)
+        rows = torch.tensor(step.table_rows, dtype=torch.long)
+        return buffer[rows, :max_blocks].to(self.device, non_blocking=True)  # the one copy of the step
+
     def _prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         query_start = [0]
         for n in step.num_new_tokens:
             query_start.append(query_start[-1] + n)
         seq_lens = [start + n for start, n in zip(step.start_positions, step.num_new_tokens)]
-        max_blocks = max(len(table) for table in step.block_tables)
-        tables = [table + [0] * (max_blocks - len(table)) for table in step.block_tables]
         dev = self.device
-        block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+        block_tables = self._block_tables(step, seq_lens)
         query_lens = torch.tensor(step.num_new_tokens, device=dev)
         seq_index = torch.repeat_interleave(torch.arange(step.num_seqs, device=dev), query_lens)
         offsets = torch.tensor(step.start_positions, device=dev) - torch.tensor(query_start[:-1], device=dev)

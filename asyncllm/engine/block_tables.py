@@ -37,8 +37,9 @@ class BlockTableRows:
                 row = self._rows[seq] = self._free.pop()
                 self._sent[seq] = []
             table, sent = seq.block_table, self._sent[seq]
-            if len(table) != len(sent) or table[-1:] != sent[-1:] or table != sent:
-                # usually grown by a block; else from the first change (copy-on-write, recomputation)
+            # While a sequence runs its table only grows, or has its last block replaced (copy-on-
+            # write); a preempted one is released above and comes back with a new row.
+            if len(table) != len(sent) or table[-1:] != sent[-1:]:
                 start = len(sent) if table[:len(sent)] == sent else next(
                     (i for i, (a, b) in enumerate(zip(table, sent)) if a != b), len(table))
                 if start < len(table):

@@ -24,6 +24,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks.measure import write_report
+
 HERE = Path(__file__).resolve().parent
 WORKLOADS = ("w_cpu", "w_prefix", "w_latency", "w_lora", "w_scale", "w_json", "w_gpu")
 OPTIONAL = ("w_json", "w_gpu")       # written by others: run when the module exists
@@ -164,14 +166,6 @@ def _merged(out: Path, current: dict[str, Any]) -> dict[str, Any]:
     return {n: both[n] for n in WORKLOADS if n in both}
 
 
-def _shown(path: Path) -> str:
-    """A path relative to the checkout when inside it (summary.json is committed with the figures)."""
-    try:
-        return str(path.resolve().relative_to(HERE.parent))
-    except ValueError:
-        return str(path)
-
-
 def _write_outputs(args: argparse.Namespace, out: Path, summary: dict[str, Any]) -> None:
     """Plots and markdown tables of every workload JSON in ``out`` (not only this run's), then summary.json."""
     from benchmarks.tables import markdown
@@ -180,11 +174,11 @@ def _write_outputs(args: argparse.Namespace, out: Path, summary: dict[str, Any])
         try:
             from benchmarks.plots import make_plots
 
-            summary["plots"] = [_shown(p) for p in make_plots(out, args.plots, names=list(WORKLOADS))]
+            summary["plots"] = [str(p.resolve()) for p in make_plots(out, args.plots, names=list(WORKLOADS))]
         except Exception as e:  # noqa: BLE001 - matplotlib missing, say: the figures are in the JSON anyway
             print(f"plots: not made ({type(e).__name__}: {e})", file=sys.stderr)
     (out / "summary.md").write_text(markdown(out))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    write_report(out / "summary.json", summary)  # checkout paths made relative (the file is committed)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.measure import write_report
+
 # cpu-llama's projections: (name, in_features, out_features)
 LINEAR_SHAPES = [("qkv", 512, 1024), ("o", 512, 512), ("gate_up", 512, 2816), ("down", 1408, 512),
                  ("lm_head", 512, 16384)]
@@ -117,11 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"paged decode, {d['num_seqs']} decodes of {d['lengths'][0]}-{d['lengths'][1]} tokens "
               f"({d['kv_mb']:.1f} MB of K/V): torch {d['torch_ms']:.3f} ms, C kernel {d['c_kernel_ms']:.3f} ms "
               f"({d['speedup']:.1f}x)")
-    if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(args.json, report)
     return report
 
 

@@ -12,12 +12,13 @@ synchronise around the timed calls; ``kv_gb_per_s`` is the KV bytes a decode rea
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from benchmarks.measure import write_report
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, BLOCK = 16, 8, 128, 1024, 3072, 16
 DTYPE = torch.bfloat16
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             report[name] = rows()
         print(f"[gpu_kernels] {name}: {time.perf_counter() - t0:.1f}s", flush=True)
-        (out / "gpu_kernels.json").write_text(json.dumps(report, indent=2))
+        write_report(out / "gpu_kernels.json", report)
     for row in report["attention"]:
         print("[gpu_kernels]", {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     for row in report["elementwise"]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.common import build_cpu_llama, machine_info
+from benchmarks.measure import write_report
 
 
 def schema(i: int) -> dict:
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{engine:10s} {label:24s} setup {figures['tokenizer_setup_ms']:7.1f} ms  compile "
                   f"{figures['compile_ms_median']:6.2f} ms (first {figures['compile_ms_first']:.2f})  "
                   f"mask {figures['mask_us_per_token_median']:6.1f} us/token")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_report(args.json, result)
     return result
 
 

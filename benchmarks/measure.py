@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -246,12 +247,30 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def portable(value: Any) -> Any:
+    """``value`` with this machine's paths taken out: the checkout's own paths become relative to
+    it, the interpreter's path becomes ``python`` and the home folder ``~`` (reports are committed
+    with the figures and read elsewhere)."""
+    if isinstance(value, dict):
+        return {key: portable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(item) for item in value]
+    if isinstance(value, str):
+        value = value.replace(sys.executable, "python").replace(f"{REPO_ROOT}{os.sep}", "")
+        home = os.path.expanduser("~")
+        return "~" + value[len(home):] if home != "/" and value.startswith(home + os.sep) else value
+    return value
+
+
 def write_report(path: str | os.PathLike | None, report: dict[str, Any]) -> None:
-    """Write ``report`` as indented JSON (creating the folder); no-op for ``None``."""
+    """Write ``report`` as indented JSON (creating the folder), with :func:`portable` paths; no-op for ``None``."""
     if not path:
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    Path(path).write_text(json.dumps(portable(report), indent=2, default=str) + "\n")
 
 
 def fmt_ms(value: float | None) -> str:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.common import Request, Workload, machine_info, matmul_params
+from benchmarks.measure import write_report
 
 QWEN3_06B: dict[str, Any] = dict(
     hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -196,7 +197,7 @@ class Report:
 
     def save(self) -> None:
         self.data["elapsed_s"] = time.perf_counter() - _T0
-        self.path.write_text(json.dumps(self.data, indent=2, default=str))
+        write_report(self.path, self.data)
 
 
 def bench_asyncllm(model_dir: Path, w: Workload, args, report: Report) -> None:

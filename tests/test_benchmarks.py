@@ -238,3 +238,25 @@ def test_w_soak_tiny_run(llama_dir, tmp_path):
     assert soak["health_after"] == 200 and soak["running_after"] == 0 and soak["kv_usage_after"] == 0
     assert len(soak["rss_mib"]) >= 3 and all(mib > 0 for _, mib in soak["rss_mib"])
     assert json.loads(out.read_text())["benchmark"] == "W-SOAK"
+
+
+def test_reports_carry_no_machine_paths(tmp_path, monkeypatch):
+    """Committed reports are read on other machines: checkout paths relative, interpreter "python", home "~"."""
+    import os
+
+    from benchmarks.measure import REPO_ROOT, write_report
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    report = {"argv": ["--json", str(REPO_ROOT / "benchmarks" / "results" / "x.json")],
+              "command": [sys.executable, "-m", "benchmarks.w_cpu"],
+              "model": {"dir": os.path.join(str(tmp_path / "home"), ".cache", "m")}}
+    write_report(tmp_path / "r.json", report)
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written == {"argv": ["--json", "benchmarks/results/x.json"], "command": ["python", "-m", "benchmarks.w_cpu"],
+                       "model": {"dir": "~/.cache/m"}}
+
+
+def test_committed_results_carry_no_machine_paths():
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
+        text = path.read_text()
+        assert str(ROOT) not in text and "/root/" not in text and "/home/" not in text, path

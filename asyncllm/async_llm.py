@@ -233,11 +233,11 @@ class AsyncLLM:
         process = functools.partial(self.inputs.process, prompt, params, request_id or f"req-{uuid.uuid4().hex}",
                                     sampling_kwargs, tools, lora=adapter, tool_choice=tool_choice,
                                     parallel_tool_calls=parallel_tool_calls)
-        loop = asyncio.get_running_loop()
         if self.inputs.needs_worker(prompt, params, sampling_kwargs, tools):
-            text, request = await loop.run_in_executor(self._input_pool, process)  # the loop keeps serving
+            text, request = await self.offload(process)  # the loop keeps serving meanwhile
         else:
             text, request = process()
+        loop = asyncio.get_running_loop()
         rid = request.request_id
         bridge = self._bridge_for(loop)
         event = asyncio.Event()

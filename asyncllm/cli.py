@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from .server.limits import DEFAULT_MAX_BODY_BYTES
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncllm", description="asyncllm: embeddable LLM inference")
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-n", type=int, default=128, help="the largest n a request may ask for (default 128)")
     serve.add_argument("--max-waiting-requests", type=int, default=4096,
                        help="requests queued beyond those running before new ones get 429 (default 4096)")
-    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest request body accepted, 413 past it (default 4 MiB)")
     serve.add_argument("--enable-lora-loading", action="append", default=[], metavar="DIR",
                        help="let /v1/load_lora_adapter load adapters from inside DIR (repeatable; off by default)")

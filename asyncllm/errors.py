@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def short_repr(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages must not echo megabytes back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class AsyncLLMError(Exception):
     """Base class of every error asyncllm raises on purpose."""
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, short_repr
 
 _STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar")
 
@@ -26,15 +26,9 @@ def _fail(name: str, message: str) -> None:
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
     ok_types = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types):
-        _fail(name, f"expected {'an integer' if integer else 'a number'}, got {_short(value)}")
+        _fail(name, f"expected {'an integer' if integer else 'a number'}, got {short_repr(value)}")
     if isinstance(value, float) and not math.isfinite(value):
         _fail(name, f"must be a finite number, got {value!r}")
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters: errors must not echo megabytes back."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, short_repr
 from ..tools.prompting import prepare_messages
 from .messages import check_utf8, validate_messages
 from .tokenizing import TooManyTokens, encode_text, max_prompt_chars
@@ -35,7 +35,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
         for token in ids:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
                 raise InvalidRequestError(
-                    f"prompt: token id {_short(token)} is not an integer in [0, {vocab_size})", field="prompt")
+                    f"prompt: token id {short_repr(token, 40)} is not an integer in [0, {vocab_size})", field="prompt")
         return None, ids
     raise InvalidRequestError(
         "prompt: expected a non-empty string, list of token ids or list of chat messages", field="prompt")
@@ -55,11 +55,6 @@ def _check_text_length(text: str, tokenizer, max_model_len: int | None, field: s
         raise InvalidRequestError(
             f"{field}: {len(text)} characters cannot fit in max_model_len {max_model_len} tokens "
             f"(this tokenizer covers at most {limit // (2 * max_model_len)} characters per token)", field=field)
-
-
-def _short(value, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = None,

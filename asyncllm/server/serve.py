@@ -39,9 +39,13 @@ def main(args: argparse.Namespace) -> None:
     from .app import create_app
 
     loras = parse_loras(args.lora)
-    llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                   max_num_seqs=args.max_num_seqs, max_n=args.max_n, max_waiting_requests=args.max_waiting_requests,
-                   max_restarts=args.max_restarts, kv_cache_memory=args.kv_cache_memory, tool_parser=getattr(args, "tool_parser", None))
+    try:
+        llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                       max_num_seqs=args.max_num_seqs, max_n=args.max_n,
+                       max_waiting_requests=args.max_waiting_requests, max_restarts=args.max_restarts,
+                       kv_cache_memory=args.kv_cache_memory, tool_parser=getattr(args, "tool_parser", None))
+    except AsyncLLMError as exc:  # a bad option value: say which, not a traceback
+        raise SystemExit(f"asyncllm serve: {exc}") from None
     try:
         try:
             asyncio.run(_load_loras(llm, loras))

@@ -24,6 +24,7 @@ from ..errors import AsyncLLMError
 from ..outputs import RequestOutput
 from ..tools import merge_fragments
 from .errors import APIError, ClientDisconnected, from_engine_error, from_validation_error
+from .limits import DEFAULT_MAX_BODY_BYTES
 from .metrics import ServerMetrics
 from .protocol import UsageInfo
 
@@ -44,7 +45,7 @@ class ServerContext:
     metrics: ServerMetrics
     created: int
     lora_roots: tuple[Path, ...] = ()     # where /v1/load_lora_adapter may read from; () = disabled
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def resolve_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects (None: the base model); 404 if unknown."""

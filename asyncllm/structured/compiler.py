@@ -22,7 +22,7 @@ import llguidance.hf
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
 from .schema import JSON_OPTIONS, choice_grammar, closed_objects, parse_schema
-from .state import GrammarState, fill_bitmask
+from .state import GrammarState, fill_bitmask, forbidden_mask
 
 DEFAULT_CACHE_SIZE = 256
 
@@ -123,9 +123,9 @@ class GrammarCompiler:
         if matcher.is_accepting():
             return True
         bitmask = fill_bitmask([GrammarState(matcher)], self.vocab_size)  # reads the state, does not advance it
-        allowed = int(sum(bin(word & 0xFFFFFFFF).count("1") for word in bitmask[0].tolist()))
-        eos_allowed = sum(1 for t in self.eos_token_ids if (int(bitmask[0, t // 32]) >> (t % 32)) & 1)
-        return allowed > eos_allowed
+        allowed = ~forbidden_mask(bitmask, self.vocab_size)[0]
+        allowed[self.eos_token_ids] = False
+        return bool(allowed.any())
 
 
 def _to_lark(grammar: str) -> str:

@@ -93,7 +93,8 @@ class AsyncLLM:
             raise ConfigError(f"restart_window_s must be a positive number, got {restart_window_s!r}")
         self.config = EngineConfig.from_kwargs(model, engine_kwargs)
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        # skip_tokenizer_init: token ids in and out, no text (docs/api.md)
+        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.engine.model_dir)
         self.inputs = make_input_processor(self.engine, self.tokenizer, tool_parser)
         self.auto_restart, self.max_restarts, self.restart_window_s = bool(auto_restart), max_restarts, restart_window_s
         self.num_restarts = 0  # engine resets so far (automatic and by restart())

@@ -15,7 +15,12 @@ _BACKENDS = ("auto", "torch", "triton", "cpu")
 class EngineConfig:
     """Every engine knob in one place; see docs/api.md for their meaning."""
 
-    model: str
+    model: str                         # a checkpoint directory, a .gguf file or a hub id (model/source.py)
+    revision: str | None = None        # hub ids: branch, tag or commit
+    hf_token: str | bool | None = None  # hub ids: access token (None: HF_TOKEN or the saved login)
+    quantization: str | None = None    # None (the checkpoint decides), "int8" or "none" (model/quantization.py)
+    skip_tokenizer_init: bool = False  # token ids in, token ids out: no tokenizer is loaded
+    generation_config: str = "auto"    # "auto": generation_config.json's sampling defaults apply; "none": ignored
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -58,6 +63,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.quantization not in (None, "int8", "none"):
+            raise ConfigError(f"quantization must be None, 'int8' or 'none', got {self.quantization!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ConfigError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ConfigError(f"skip_tokenizer_init must be True or False, got {self.skip_tokenizer_init!r}")
         if not isinstance(self.enable_cuda_graphs, bool):
             raise ConfigError(f"enable_cuda_graphs must be True or False, got {self.enable_cuda_graphs!r}")
         if self.tensor_parallel_size != 1:

@@ -30,7 +30,8 @@ class LLM:
     def __init__(self, model: str, *, tool_parser: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, engine_kwargs)
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        # skip_tokenizer_init: token ids in and out, no text (docs/api.md)
+        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.engine.model_dir)
         self.inputs = make_input_processor(self.engine, self.tokenizer, tool_parser)
 
     @property

@@ -108,7 +108,7 @@ def test_unknown_architecture_names_supported_ones(tmp_path, model_dirs):
 
 
 def test_missing_checkpoint_and_bad_engine_arguments(tmp_path, model_dirs):
-    with pytest.raises(ModelLoadError, match="not a directory"):
+    with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="unknown engine argument"):
         LLM(str(model_dirs["llama"]), block_sise=4)

@@ -16,7 +16,8 @@ import torch
 
 from ..adapters.registry import LoRARegistry
 from ..config import EngineConfig
-from ..model.loader import check_model_dir, load_hf_config
+from ..model.loader import load_hf_config
+from ..model.source import resolve_model_source
 from ..model.runner import ModelRunner
 from ..model.sampler import SamplingRow, prompt_logprobs, sample
 from ..structured import prefetch_masks
@@ -51,11 +52,12 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        root: Path = check_model_dir(config.model)
-        self.model_dir = root
+        self.source = resolve_model_source(config.model, config.revision, config.hf_token)
+        root: Path = self.source.root
+        self.model_dir = root  # config, tokenizer and generation config files
         self.hf_config = load_hf_config(root)
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
-        self.runner = ModelRunner(config, self.hf_config, root, self.max_model_len)
+        self.runner = ModelRunner(config, self.hf_config, self.source, self.max_model_len)
         self.vocab_size = self.runner.shape.vocab_size
         self._build_scheduling_state()
         self.loras = LoRARegistry(self.runner.shape, config.max_lora_rank, config.max_cpu_loras)

@@ -71,3 +71,14 @@ class StopStringMatcher:
             return None
         at, stop = best
         return stop, at + len(stop) if self.include else at
+
+
+class _NoText:
+    """The detokenizer of an engine without a tokenizer (``skip_tokenizer_init``): no text."""
+
+    @staticmethod
+    def step(token_id: int) -> str:
+        return ""
+
+
+NO_TEXT = _NoText()

@@ -11,6 +11,7 @@ from ..errors import InvalidRequestError
 from ..sampling_params import DEFAULT_MAX_N, SamplingParams
 from ..structured import GrammarCompiler, GrammarTemplate
 from ..tools import ToolContext, build_tool_context, parser_class
+from .generation_defaults import sampling_defaults
 from .prompts import Prompt, check_prompt_length, tokenize_prompt
 
 _counter = itertools.count()
@@ -32,8 +33,11 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Iterable[int] = (),
-                 tool_parser: str = "hermes", max_n: int = DEFAULT_MAX_N, max_num_seqs: int | None = None) -> None:
+                 tool_parser: str = "hermes", max_n: int = DEFAULT_MAX_N, max_num_seqs: int | None = None,
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        # the checkpoint's generation_config.json values, for requests without a SamplingParams object
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # a request's n sequences must fit in the running set at once, or it could never start
@@ -49,8 +53,13 @@ class InputProcessor:
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("params: expected a SamplingParams", field="params")
         # always a private copy: validation normalises fields and the caller may reuse its object
-        params = SamplingParams.from_kwargs(params, sampling_kwargs or {})
+        sampling_kwargs = sampling_kwargs or {}
+        if params is None and self.sampling_defaults:
+            sampling_kwargs = {**self.sampling_defaults, **sampling_kwargs}
+        params = SamplingParams.from_kwargs(params, sampling_kwargs)
         params.validate(self.vocab_size, self.max_n)
+        if self.tokenizer is None:
+            _check_token_only(prompt, params, tools)
         tool_context = build_tool_context(tools, tool_choice, parallel_tool_calls, self.tool_parser)
         if tool_context is not None and not _is_chat(prompt):
             raise InvalidRequestError("tools: only allowed with a chat (list of messages) prompt", field="tools")
@@ -119,6 +128,20 @@ class InputProcessor:
         return added.get(text)
 
 
+def _check_token_only(prompt: Any, params: SamplingParams, tools: list | None) -> None:
+    """Without a tokenizer (``skip_tokenizer_init=True``) only token-id prompts and token-level
+    parameters make sense; anything that needs text is refused by name."""
+    why = "this engine was started with skip_tokenizer_init=True"
+    if isinstance(prompt, str) or _is_chat(prompt):
+        raise InvalidRequestError(f"prompt: pass token ids; {why} (no text prompts or messages)", field="prompt")
+    if tools:
+        raise InvalidRequestError(f"tools: {why}", field="tools")
+    for name in ("stop", *_STRUCTURED):
+        value = params.stop_strings if name == "stop" else getattr(params, name, None)
+        if value:
+            raise InvalidRequestError(f"{name}: needs a tokenizer; {why}", field=name)
+
+
 def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and any(isinstance(m, dict) for m in prompt)
 
@@ -127,7 +150,10 @@ def make_input_processor(engine, tokenizer, tool_parser: str | None = None) -> I
     """The InputProcessor of a front over ``engine``: EOS ids for grammars, the tool-call format."""
     from ..tools import detect_tool_parser
 
-    parser = tool_parser or detect_tool_parser(tokenizer, getattr(engine.hf_config, "model_type", None))
+    parser = tool_parser or ("hermes" if tokenizer is None
+                             else detect_tool_parser(tokenizer, getattr(engine.hf_config, "model_type", None)))
+    defaults = sampling_defaults(engine.model_dir) if engine.config.generation_config == "auto" else {}
     return InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,
                           eos_token_ids=engine.stop_checker.eos_token_ids, tool_parser=parser,
-                          max_n=engine.config.max_n, max_num_seqs=engine.config.max_num_seqs)
+                          max_n=engine.config.max_n, max_num_seqs=engine.config.max_num_seqs,
+                          sampling_defaults=defaults)

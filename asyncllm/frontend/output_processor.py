@@ -17,7 +17,7 @@ from ..errors import RequestFailedError
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tools import ToolCall, ToolParser, compact_fragments, parser_class
-from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .detokenizer import NO_TEXT, IncrementalDetokenizer, StopStringMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ class OutputProcessor:
         params, prompt_ids = request.params, request.prompt_token_ids
         seqs = [_SequenceState(
             CompletionOutput(i, logprobs=[] if params.logprobs is not None else None, cumulative_logprob=0.0),
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+            (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+             if self.tokenizer is not None else NO_TEXT),
             StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)) for i in range(params.n)]
         tools = getattr(request, "tool_context", None)
         if tools is not None and tools.parses_calls:

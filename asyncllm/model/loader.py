@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..errors import ModelLoadError
+from .gguf_weights import QuantizedRows
+from .quantization import Int8Slot
 from .registry import Architecture, architecture_for, supported_architectures
+from .source import ModelSource
 
 SUPPORTED_ARCHITECTURES = tuple(supported_architectures())
 _PROGRESS_MIN_BYTES = 512 * 2**20  # show a progress bar only for checkpoints worth waiting on
-
-
-def check_model_dir(path: str | Path) -> Path:
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise ModelLoadError(f"model path {str(path)!r} is not a directory (only local checkpoints are loaded)")
-    if not (root / "config.json").is_file():
-        raise ModelLoadError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
-    return root.resolve()
 
 
 def load_hf_config(root: Path):
@@ -57,11 +52,8 @@ def safetensors_files(root: Path) -> list[Path]:
     return files
 
 
-def load_weights(model, root: Path, arch: Architecture) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter, as ``arch.fused`` places
-    them; every parameter (and every slice of a fused one) must be covered."""
-    params = dict(model.named_parameters())
-    filled: set[str] = set()
+def iter_safetensors(root: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a safetensors checkpoint, by name, one at a time."""
     files = safetensors_files(root)
     total = sum(f.stat().st_size for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
@@ -70,17 +62,50 @@ def load_weights(model, root: Path, arch: Architecture) -> None:
             with safe_open(file, framework="pt") as reader:
                 for name in reader.keys():
                     tensor = reader.get_tensor(name)
-                    target = _copy_tensor(model, params, name, tensor, arch.fused)
-                    if target:
-                        filled.add(target)
+                    yield name, tensor
                     progress.update(tensor.numel() * tensor.element_size())
-    missing = sorted(_expected_pieces(params, arch.fused) - filled)
+
+
+def checkpoint_tensors(model, source: ModelSource, keep_q8_0: bool = False) -> Iterator[tuple[str, object]]:
+    """The tensors of ``source`` by Hugging Face name: safetensors files, or a GGUF file."""
+    if source.gguf_file is None:
+        return iter_safetensors(source.root)
+    from .gguf_weights import iter_gguf_tensors
+    from .source import gguf_tensor_table
+
+    shape = model.shape
+    return iter_gguf_tensors(source.gguf_file, gguf_tensor_table(source), shape.num_heads, shape.num_kv_heads,
+                             keep_q8_0)
+
+
+def load_weights(model, source: ModelSource | Path, arch: Architecture, keep_q8_0: bool = False) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter, as ``arch.fused`` places
+    them; every parameter (and every slice of a fused one) must be covered. Projections replaced by
+    int8 slots (model/quantization.py) take float tensors (quantized as they arrive) or int8 rows."""
+    if isinstance(source, Path):
+        source = ModelSource(source)
+    targets = _load_targets(model)
+    filled: set[str] = set()
+    for name, tensor in checkpoint_tensors(model, source, keep_q8_0):
+        target = _copy_tensor(model, targets, name, tensor, arch.fused)
+        if target:
+            filled.add(target)
+    missing = sorted(_expected_pieces(targets, arch.fused) - filled)
     if missing:
-        raise ModelLoadError(f"checkpoint {root} lacks weights for: {', '.join(missing[:8])}"
+        raise ModelLoadError(f"checkpoint {source.name or source.root} lacks weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
 
 
-def _copy_tensor(model, params: dict, name: str, tensor: torch.Tensor, fused_map: dict) -> str | None:
+def _load_targets(model) -> dict:
+    """Parameter name -> parameter, plus ``<slot>.weight`` -> the int8 slot for quantized projections."""
+    targets: dict = dict(model.named_parameters())
+    for name, module in model.named_modules():
+        if isinstance(module, Int8Slot):
+            targets[f"{name}.weight"] = module
+    return targets
+
+
+def _copy_tensor(model, params: dict, name: str, tensor, fused_map: dict) -> str | None:
     if "rotary_emb" in name or (name == "lm_head.weight" and model.shape.tie_word_embeddings):
         return None
     for hf_name, (fused, part) in fused_map.items():
@@ -88,12 +113,23 @@ def _copy_tensor(model, params: dict, name: str, tensor: torch.Tensor, fused_map
             target = name.replace(hf_name, fused)
             _check_known(params, target, name)
             param = params[target]
-            start, size = _slice_of(model, fused, part, param.shape[0])
-            _assign(param.data[start:start + size], tensor, name)
+            rows = param.out_features if isinstance(param, Int8Slot) else param.shape[0]
+            start, size = _slice_of(model, fused, part, rows)
+            _assign_rows(param, start, size, tensor, name)
             return f"{target}:{part}"
     _check_known(params, name, name)
-    _assign(params[name].data, tensor, name)
+    target = params[name]
+    _assign_rows(target, 0, target.out_features if isinstance(target, Int8Slot) else target.shape[0], tensor, name)
     return name
+
+
+def _assign_rows(target, start: int, size: int, tensor, name: str) -> None:
+    if isinstance(target, Int8Slot):
+        target.assign_rows(start, size, tensor, name)
+        return
+    if isinstance(tensor, QuantizedRows):
+        tensor = tensor.dequantize()
+    _assign(target.data[start:start + size], tensor, name)
 
 
 def _expected_pieces(params: dict, fused_map: dict) -> set[str]:

@@ -63,9 +63,22 @@ def supported_architectures() -> list[str]:
     return list(ARCHITECTURES)
 
 
+# model_type -> architecture, for configs without ``architectures`` (GGUF conversions, hand-written configs)
+MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+def architecture_names(config) -> list[str]:
+    """The config's ``architectures``, or the one its ``model_type`` implies when that list is missing."""
+    names = list(getattr(config, "architectures", None) or [])
+    if not names and getattr(config, "model_type", None) in MODEL_TYPE_ARCHITECTURES:
+        names = [MODEL_TYPE_ARCHITECTURES[config.model_type]]
+    return names
+
+
 def architecture_for(config) -> Architecture:
     """The entry of a transformers config; ModelLoadError naming the supported ones otherwise."""
-    names = getattr(config, "architectures", None) or []
+    names = architecture_names(config)
     for name in names:
         arch = ARCHITECTURES.get(name)
         if arch is not None:

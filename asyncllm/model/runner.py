@@ -23,6 +23,8 @@ from ..kernels.torch_attention import TorchAttentionBackend
 from .cuda_graphs import DecodeGraphs
 from ..platform import Platform, decide_platform
 from .loader import load_weights
+from .quantization import decide_weight_format, finish_int8, make_int8_slots
+from .source import ModelSource, gguf_linear_types
 from .registry import architecture_for
 from .shape import DecoderShape
 from .rotary import RotaryEmbedding, rope_frequencies
@@ -47,7 +49,7 @@ def build_attention_backend(platform: Platform, shape: DecoderShape):
 class ModelRunner:
     """Owns the model weights and the paged KV cache tensors."""
 
-    def __init__(self, config: EngineConfig, hf_config, root: Path, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, hf_config, source: ModelSource | Path, max_model_len: int) -> None:
         self.platform = decide_platform(config, hf_config)
         self.device, self.dtype = self.platform.device, self.platform.dtype
         self.block_size = config.block_size
@@ -60,8 +62,17 @@ class ModelRunner:
         with torch.device("meta"):
             model = self.architecture.build(self.shape, rotary, self.backend, self.lora).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
-        load_weights(self.model, root, self.architecture)
-        if self.platform.packed_linears:
+        source = source if isinstance(source, ModelSource) else ModelSource(Path(source))
+        self.weight_format = decide_weight_format(config.quantization, source.is_gguf,
+                                                  gguf_linear_types(source) if source.is_gguf else set())
+        if self.weight_format.int8:
+            make_int8_slots(self.model, self.weight_format)
+        load_weights(self.model, source, self.architecture, keep_q8_0=self.weight_format.int8)
+        if self.weight_format.int8:
+            tied = self.model.model.embed_tokens.weight if self.shape.tie_word_embeddings else None
+            count = finish_int8(self.model, self.weight_format, tied)
+            logger.info("int8 weights: %d layers (groups of %s)", count, self.weight_format.group_size or "a row")
+        elif self.platform.packed_linears:
             self._pack_cpu_linears()
         rotary.build(self.device, self.dtype)
         self.num_blocks = self._count_blocks(config, max_model_len)

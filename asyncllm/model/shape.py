@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .registry import architecture_names
+
 
 @dataclass
 class DecoderShape:
@@ -42,5 +44,5 @@ class DecoderShape:
             qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            architecture=(getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0],
+            architecture=(architecture_names(config) or ["LlamaForCausalLM"])[0],
         )

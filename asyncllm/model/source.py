@@ -1,0 +1,177 @@
+"""Where a model comes from: a local checkpoint directory, a GGUF file, or a Hugging Face hub id.
+
+:func:`resolve_model_source` turns the ``model`` argument into a :class:`ModelSource`: a directory
+holding the config, tokenizer and chat template files (what transformers reads), plus the GGUF file
+when the weights come from one. Everything after this point reads local files only.
+
+- A local directory with ``config.json``: used as it is.
+- A ``.gguf`` file, or a directory holding exactly one: its metadata (config, tokenizer, chat
+  template) is converted once by transformers' GGUF support and kept in the cache
+  (``$ASYNCLLM_CACHE_DIR/gguf/<key>``, keyed by the file's path, size and modification time), because
+  reading 100,000 vocabulary entries out of a GGUF file takes seconds. The weights are read from the
+  file itself at every load (``model/gguf_weights.py``).
+- Anything else is a hub id (``"Qwen/Qwen2.5-0.5B-Instruct"``): ``huggingface_hub`` downloads (or, with
+  ``HF_HUB_OFFLINE=1``, finds in its cache) the config, tokenizer, chat template, generation config
+  and safetensors files only, at ``revision``, with ``token``; ``HF_HOME`` / ``HF_HUB_CACHE`` say
+  where its cache lives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# The files a hub snapshot needs: nothing else (no .bin, no .gguf, no ONNX/TF/Flax exports).
+HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                     "chat_template.jinja", "chat_template.json", "*.safetensors", "model.safetensors.index.json"]
+GGUF_INFO = "gguf_source.json"
+_GGUF_META_VERSION = "2"  # bump when the cached conversion's content changes
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model on local disk: ``root`` holds config and tokenizer files; ``gguf_file`` the weights
+    when they come from a GGUF file (else ``root``'s safetensors files)."""
+
+    root: Path
+    gguf_file: Path | None = None
+    name: str = ""  # what the user asked for (a path or a hub id), for messages
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
+
+
+def resolve_model_source(model: str | os.PathLike, revision: str | None = None,
+                         token: str | bool | None = None) -> ModelSource:
+    """The local files behind ``model`` (a directory, a GGUF file or a hub id); see the module doc."""
+    name = str(model)
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"model {name!r} is a file but not a .gguf file; pass a checkpoint directory, "
+                                 "a .gguf file or a hub id")
+        return _gguf_source(path.resolve(), name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path.resolve(), None, name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _gguf_source(ggufs[0].resolve(), name)
+        if len(ggufs) > 1:
+            raise ModelLoadError(f"{name!r} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs[:4])}); "
+                                 "pass the path of the one to load")
+        raise ModelLoadError(f"{name!r} has no config.json and no .gguf file: not a model directory")
+    if _looks_like_local_path(name):
+        raise ModelLoadError(f"model path {name!r} does not exist")
+    return ModelSource(_hub_snapshot(name, revision, token), None, name)
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """Names that can only be paths: absolute, ``./``/``../``/``~``, a .gguf name, or more than one ``/``."""
+    return (name.startswith(("/", "./", "../", "~")) or name.lower().endswith(".gguf") or name.count("/") > 1
+            or "\\" in name)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, token: str | bool | None) -> Path:
+    """The local snapshot of hub repository ``repo_id`` (downloaded unless offline and cached)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                            RevisionNotFoundError)
+    except ImportError as e:  # huggingface_hub comes with transformers; this is a broken install
+        raise ModelLoadError(f"model {repo_id!r} is not a local path and huggingface_hub is not importable: {e}") from e
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=HUB_FILE_PATTERNS)
+    except HFValidationError as e:
+        raise ModelLoadError(f"model {repo_id!r} is neither a local path nor a valid hub id ({e})") from e
+    except RevisionNotFoundError as e:
+        raise ModelLoadError(f"hub model {repo_id!r} has no revision {revision!r}") from e
+    except RepositoryNotFoundError as e:
+        raise ModelLoadError(f"hub model {repo_id!r} was not found (or needs a token: pass token=... "
+                             "or set HF_TOKEN)") from e
+    except LocalEntryNotFoundError as e:
+        where = "HF_HUB_OFFLINE=1 is set" if offline else "the hub cannot be reached"
+        raise ModelLoadError(f"hub model {repo_id!r}{f' at revision {revision!r}' if revision else ''} is not in "
+                             f"the local cache and {where}; download it once online "
+                             f"(or pass a local directory)") from e
+    except OSError as e:  # network failures surface as OSError subclasses (requests/httpx errors)
+        raise ModelLoadError(f"cannot fetch hub model {repo_id!r}: {e}") from e
+    root = Path(folder)
+    if not (root / "config.json").is_file():
+        raise ModelLoadError(f"hub model {repo_id!r} has no config.json (GGUF-only repositories: download the "
+                             ".gguf file and pass its path)")
+    return root
+
+
+# ---- GGUF metadata ----------------------------------------------------------------------------
+
+def _gguf_source(file: Path, name: str) -> ModelSource:
+    return ModelSource(gguf_metadata_dir(file), file, name)
+
+
+def gguf_metadata_dir(file: Path) -> Path:
+    """A directory with config.json and tokenizer files converted from ``file``'s metadata (cached)."""
+    from ..kernels.cpu_build import cache_dir
+
+    stat = file.stat()
+    key = hashlib.sha256(f"{_GGUF_META_VERSION}\0{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+    target = cache_dir() / "gguf" / key
+    if (target / "config.json").is_file():
+        return target
+    logger.info("converting the metadata of %s (once; cached in %s)", file.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        _convert_gguf_metadata(file, staging)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process converted it first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_gguf_metadata(file: Path, out: Path) -> None:
+    try:
+        import gguf  # noqa: F401 - transformers needs it; say so here rather than deep inside
+    except ImportError as e:
+        raise ModelLoadError("loading a .gguf file needs the gguf package: pip install gguf") from e
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+    except Exception as e:  # transformers raises ValueError/KeyError/... for unsupported files
+        raise ModelLoadError(f"cannot read the metadata of GGUF file {file.name}: {e}") from e
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    from .gguf_weights import read_tensor_table
+
+    (out / GGUF_INFO).write_text(json.dumps({"file": str(file), **read_tensor_table(file)}))
+
+
+def gguf_tensor_table(source: ModelSource) -> dict:
+    """Where the tensors of a GGUF source lie, as recorded at conversion (gguf_weights.read_tensor_table)."""
+    return json.loads((source.root / GGUF_INFO).read_text())
+
+
+def gguf_linear_types(source: ModelSource) -> set[str]:
+    """The GGML types of a GGUF source's projection weights."""
+    from .gguf_weights import linear_quant_types
+
+    return linear_quant_types(gguf_tensor_table(source))

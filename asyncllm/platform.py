@@ -30,6 +30,7 @@ class Platform:
     kernel_family: str | None     # fused elementwise ops: "triton", "cpu", or None (plain torch)
     packed_linears: bool          # CPU: projections through oneDNN with weights packed at load
     fused_greedy: bool            # CPU: greedy rows picked by the C kernel (argmax + logprob in one pass)
+    decode_stack: bool            # CPU: small decode-only steps run all layers in one C call (kernels/cpu_decode_stack.py)
     cuda_graphs: bool             # decode steps replayed as CUDA graphs
     default_token_budget: int     # max_num_batched_tokens when the engine arguments leave it unset
     distributed_backend: str      # torch.distributed backend for tensor parallelism: "nccl" or "gloo"
@@ -104,6 +105,7 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
         kernel_family={"triton": "triton", "cpu": "cpu"}.get(backend),
         packed_linears=cpu_fast_path and packing_supported(device, dtype),
         fused_greedy=cpu_fast_path,
+        decode_stack=cpu_fast_path and backend == "cpu" and dtype == torch.float32,
         cuda_graphs=(config.enable_cuda_graphs and device.type == "cuda" and backend == "triton"
                      and not interpreting()),
         default_token_budget=DEFAULT_TOKEN_BUDGET.get(device.type, 2048),

@@ -55,10 +55,13 @@ def test_starlette_streaming_example(model_dirs):
 def test_demo_runs_and_reports(model_dirs, capsys):
     from asyncllm.demo import run_demo
 
-    figures = asyncio.run(run_demo(str(model_dirs["llama"]), num_prompts=3, max_tokens=5))
+    figures = asyncio.run(run_demo(str(model_dirs["llama"]), num_prompts=3, max_tokens=5, chat=False))
     assert figures["output_tokens"] == 15 and figures["tokens_per_s"] > 0
     assert figures["ttft_ms_p50"] > 0
     assert "[2]" in capsys.readouterr().out
+    chat = asyncio.run(run_demo(str(model_dirs["llama"]), num_prompts=2, max_tokens=5))  # chat template: questions
+    assert 2 <= chat["output_tokens"] <= 10
+    assert "capital of France" in capsys.readouterr().out
 
 
 def test_server_examples_starlette_mount_and_openai_client(model_dirs, capsys):

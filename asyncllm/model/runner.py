@@ -16,6 +16,7 @@ from ..config import EngineConfig
 from ..engine.step_input import StepInput
 from ..errors import ConfigError
 from ..kernels.cpu_attention import CpuAttentionBackend
+from ..kernels.cpu_decode_stack import DecodeStack
 from ..kernels.cpu_linear import pack_linear_layers
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import cpu_ops, triton_ops
@@ -72,13 +73,17 @@ class ModelRunner:
             tied = self.model.model.embed_tokens.weight if self.shape.tie_word_embeddings else None
             count = finish_int8(self.model, self.weight_format, tied)
             logger.info("int8 weights: %d layers (groups of %s)", count, self.weight_format.group_size or "a row")
-        elif self.platform.packed_linears:
-            self._pack_cpu_linears()
         rotary.build(self.device, self.dtype)
         self.num_blocks = self._count_blocks(config, max_model_len)
         # every running sequence's block table, kept across steps (engine/block_tables.py)
         self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
         self.kv_caches = self._allocate_kv_caches()
+        # before packing: the decode stack reads the float weights row-major (kernels/cpu_decode_stack.py)
+        self.decode_stack = (DecodeStack.build(self.model, self.kv_caches, self.weight_format.int8,
+                                               self.weight_format.group_size)
+                             if self.platform.decode_stack else None)
+        if not self.weight_format.int8 and self.platform.packed_linears:
+            self._pack_cpu_linears()
         self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
 
     @property
@@ -176,6 +181,9 @@ class ModelRunner:
         with self._on_device(), self._fused_ops():
             if self.cuda_graphs is not None and not self.lora.groups and self.cuda_graphs.fits(meta):
                 return self.cuda_graphs.replay(input_ids, positions, meta)
+            if (self.decode_stack is not None and not self.lora.groups
+                    and self.decode_stack.fits(meta, input_ids.shape[0])):
+                return self.decode_stack.run(input_ids, positions, meta)
             return self.model(input_ids, positions, meta, self.kv_caches)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

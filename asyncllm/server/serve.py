@@ -43,7 +43,9 @@ def main(args: argparse.Namespace) -> None:
         llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_n=args.max_n,
                        max_waiting_requests=args.max_waiting_requests, max_restarts=args.max_restarts,
-                       kv_cache_memory=args.kv_cache_memory, tool_parser=getattr(args, "tool_parser", None))
+                       kv_cache_memory=args.kv_cache_memory, tool_parser=getattr(args, "tool_parser", None),
+                       revision=args.revision, quantization=args.quantization,
+                       generation_config=args.generation_config)
     except AsyncLLMError as exc:  # a bad option value: say which, not a traceback
         raise SystemExit(f"asyncllm serve: {exc}") from None
     try:

@@ -4,7 +4,8 @@ The tests' random-weight checkpoints have no GGUF twin on any hub, so this write
 llama.cpp's converter lays it out: llama.cpp's tensor names, q/k rows permuted per head, the
 tokenizer as a ``gpt2`` BPE vocabulary with its merges, and projection weights in F32 or Q8_0.
 transformers reads the result (``from_pretrained(dir, gguf_file=...)``), which makes it the oracle
-for the engine's own GGUF loading. Only what the tests need: Llama/Mistral-style models, float32.
+for the engine's own GGUF loading. Only what the tests need: Llama/Mistral-style models, float32,
+default rope (rope scaling such as the toy Llama's llama3 type is not written).
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32") -> Path:
+def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32", tokenizer_pre: str = "qwen2") -> Path:
     """Write ``model_dir`` (a Llama-family safetensors checkpoint) as ``out_file``; ``qtype`` is the
-    projections' type ("F32" or "Q8_0"; norms stay F32, the embedding follows ``qtype``)."""
+    projections' type ("F32" or "Q8_0"; norms stay F32, the embedding follows ``qtype``);
+    ``tokenizer_pre`` names the pre-tokenizer (llama.cpp's name: the toy tokenizer splits like
+    Qwen2, SmolLM2's is "smollm")."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
@@ -52,7 +55,7 @@ def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32") -> Path:
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.ALL_F32)
-    _add_tokenizer(writer, tokenizer, config.vocab_size)
+    _add_tokenizer(writer, tokenizer, config.vocab_size, tokenizer_pre)
 
     tensors = {}
     for file in sorted(model_dir.glob("*.safetensors")):
@@ -92,7 +95,7 @@ def _gguf_tensor(name: str, tensor: torch.Tensor, config) -> tuple[str | None, n
     return f"blk.{layer}.{_LAYER_TENSORS[module]}.{parts[-1]}", np.ascontiguousarray(array)
 
 
-def _add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
+def _add_tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
     """A byte-level BPE vocabulary as llama.cpp writes one: tokens, types, merges, special ids."""
     import gguf
 
@@ -109,7 +112,7 @@ def _add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
             tokens[index] = f"[PAD{index}]"
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")  # the toy tokenizer splits text with Qwen2's regex
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -1,0 +1,145 @@
+"""The CPU decode step of a small batch as one C call (``csrc/decode_stack.c``).
+
+A decode-only step of at most :data:`MAX_ROWS` sequences (one new token each) skips the module-by-
+module forward: after the embedding lookup, one call runs every layer, and the LM head follows.
+That is where batch-1 latency goes on CPU: ~15 torch operations per layer cost more than reading
+the layer's weights. Larger batches and prefill chunks keep the regular path (oneDNN projections,
+whose packed layout wins once a weight is reused by many rows).
+
+Weights are read row-major: float32 projections as loaded (the oneDNN-packed copies serve the
+regular path, so float32 weights are held twice while this path is on; ``ASYNCLLM_CPU_DECODE_STACK=0``
+turns it off), int8 projections straight from their ``qweight``/``scales`` buffers (no second copy).
+Not used for LoRA steps, Qwen3's q/k norms, or shapes the kernel does not take (widths not a
+multiple of 8).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+from torch import nn
+
+from .cpu_build import load_library
+from .metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "ASYNCLLM_CPU_DECODE_STACK"
+MAX_ROWS = 8  # decode batches up to this size run here; beyond it oneDNN's packed GEMM is faster
+_i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
+                 "gate_up_scales", "down_scales", "qkv_bias", "k_cache", "v_cache")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in _LAYER_FIELDS]
+
+
+_SIGNATURES = (("decode_stack_f32", (ctypes.POINTER(_Layer), _i64, _int, _i64, _ptr, _i64, _ptr, _f32, _i64, _i64,
+                                     _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _f32,
+                                     _int), _int),)
+
+
+def _library() -> ctypes.CDLL | None:
+    return load_library("decode_stack", _SIGNATURES)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _projection(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(row-major weight, scales or None, bias or None) of a projection: nn.Linear or Int8Linear."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach().contiguous(), None, module.bias
+    qweight, scales = getattr(module, "qweight", None), getattr(module, "scales", None)
+    if qweight is None or scales is None or qweight.dtype != torch.int8:
+        raise TypeError(f"no row-major weight for {type(module).__name__}")
+    return qweight.contiguous(), scales.float().contiguous(), getattr(module, "bias", None)
+
+
+class DecodeStack:
+    """The model's layers, as pointers for the C kernel; build with :meth:`build` (None when the
+    model or machine does not qualify)."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], int8: bool,
+                 group: int) -> None:
+        shape = model.shape
+        self.shape, self.int8, self.group = shape, int8, group
+        self.model = model
+        self._keep: list[torch.Tensor] = []  # every tensor a pointer refers to
+        layers = (_Layer * shape.num_layers)()
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(model.model.layers, kv_caches)):
+            attn, mlp = layer.self_attn, layer.mlp
+            fields = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                      "k_cache": k_cache, "v_cache": v_cache}
+            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                weight, scales, bias = _projection(module)
+                fields[name], fields[f"{name}_scales"] = weight, scales
+                if name == "qkv":
+                    fields["qkv_bias"] = bias
+            for name, tensor in fields.items():
+                if tensor is not None:
+                    tensor = tensor.detach()
+                    self._keep.append(tensor)
+                    setattr(layers[index], name, tensor.data_ptr())
+        self.layers = layers
+        rotary = model.model.layers[0].self_attn.rotary
+        self.cos, self.sin = rotary.cos.contiguous(), rotary.sin.contiguous()
+        self.final_norm = model.model.norm.weight.detach()
+        self.eps = float(model.model.norm.eps)
+        self.scale = shape.head_dim ** -0.5
+
+    @classmethod
+    def build(cls, model: nn.Module, kv_caches, int8: bool, group: int | None) -> "DecodeStack | None":
+        """The stack for ``model`` when this path can run it here, else None (the reason is logged)."""
+        shape = model.shape
+        reason = None
+        if not enabled():
+            reason = f"{ENV_SWITCH}=0"
+        elif _library() is None:
+            reason = "the C kernel could not be built"
+        elif shape.qk_norm:
+            reason = "q/k norms (Qwen3) are not in the kernel"
+        elif any(size % 8 for size in (shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim)):
+            reason = "widths must be multiples of 8"
+        elif int8 and group and group % 8:
+            reason = "int8 groups must be multiples of 8"
+        elif kv_caches[0][0].dtype != torch.float32:
+            reason = "float32 only"
+        if reason is None:
+            try:
+                return cls(model, kv_caches, int8, group or 0)
+            except TypeError as e:
+                reason = str(e)
+        logger.info("CPU decode stack off: %s", reason)
+        return None
+
+    def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """A decode-only step small enough for this path."""
+        return num_tokens <= MAX_ROWS and len(meta.decode_indices) == meta.num_seqs == num_tokens
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states ([tokens, hidden], after the last norm) of a decode-only step."""
+        s = self.shape
+        hidden = self.model.model.embed_tokens(input_ids).contiguous()
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        tables = meta.block_tables.contiguous()
+        seq_lens = meta.seq_lens_tensor.contiguous()
+        failed = _library().decode_stack_f32(
+            self.layers, s.num_layers, int(self.int8), self.group, hidden.data_ptr(), hidden.shape[0],
+            self.final_norm.data_ptr(), self.eps, s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads,
+            s.head_dim, positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
+            slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), meta.block_size, self.scale,
+            torch.get_num_threads())
+        if failed == 2:
+            raise IndexError(f"a position or sequence length is outside the rotary tables (0..{self.cos.shape[0] - 1})")
+        if failed:
+            raise MemoryError("the CPU decode stack could not allocate its scratch memory")
+        return hidden

@@ -1,0 +1,279 @@
+/* The whole decoder stack for a small decode-only batch (one new token per sequence) in one call.
+ *
+ * Why: at batch 1 a step of a small model is ~30 layers x ~15 torch operations, each a Python call
+ * and a kernel launch; together they cost more than streaming the weights once. Here one call runs
+ * every layer inside one OpenMP parallel region: RMSNorm, the fused qkv projection (+ bias), rotary
+ * embedding, the KV-cache write, paged attention, the output projection, the residual add, the
+ * fused gate/up projection, SiLU-and-multiply and the down projection. Projections are matrix-vector
+ * products over row-major weights, float32 or int8 with float32 scales (per output channel or per
+ * group of input columns), read once per step for all the batch's rows: the step streams the
+ * weights once, which is what bounds it.
+ *
+ * Numerics follow transformers' Llama: RMSNorm in float32 as x * rsqrt(mean(x^2) + eps) * w,
+ * rotate-half rope with the engine's cos/sin tables, softmax(q k^T * scale) v. Summation order
+ * differs from torch's (float32 rounding only). Built like the other kernels (cpu_build.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    const float *input_norm, *post_norm;      /* [H] */
+    const void *qkv, *o, *gate_up, *down;     /* row-major [N][K]: float or int8 */
+    const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales; /* [N][K / G] (int8 only) */
+    const float *qkv_bias;                    /* [Q + 2 KV] or NULL */
+    float *k_cache, *v_cache;                 /* [blocks][block_size][kv_heads][D] */
+} layer_t;
+
+/* y[m][n] (+)= x[m] . W[n] for rows n in [n0, n1), m < M; W float (int8 = 0) or int8 with scales. */
+static void gemv_rows(const float *x, int64_t M, int64_t K, const void *W, const float *S, int64_t G, int int8,
+                      const float *bias, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t groups = int8 ? K / G : 1;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+            float out[4] = {0, 0, 0, 0};
+#ifdef __AVX2__
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t kb = int8 ? g * G : 0, ke = int8 ? kb + G : K;
+                __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int64_t k = kb; k < ke; k += 8) {
+                    __m256 w;
+                    if (int8) {
+                        const int8_t *wr = (const int8_t *)W + n * K + k;
+                        w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wr)));
+                    } else {
+                        w = _mm256_loadu_ps((const float *)W + n * K + k);
+                    }
+                    for (int64_t r = 0; r < mr; r++)
+                        part[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + r) * K + k), part[r]);
+                }
+                if (int8) {
+                    const __m256 s = _mm256_set1_ps(S[n * groups + g]);
+                    for (int64_t r = 0; r < mr; r++) acc[r] = _mm256_fmadd_ps(part[r], s, acc[r]);
+                } else {
+                    for (int64_t r = 0; r < mr; r++) acc[r] = part[r];
+                }
+            }
+            for (int64_t r = 0; r < mr; r++) {
+                __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+                lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+                lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+                out[r] = _mm_cvtss_f32(lo);
+            }
+#else
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t kb = int8 ? g * G : 0, ke = int8 ? kb + G : K;
+                for (int64_t r = 0; r < mr; r++) {
+                    float part = 0.0f;
+                    for (int64_t k = kb; k < ke; k++) {
+                        const float w = int8 ? (float)((const int8_t *)W)[n * K + k] : ((const float *)W)[n * K + k];
+                        part += w * x[(m0 + r) * K + k];
+                    }
+                    out[r] += int8 ? part * S[n * groups + g] : part;
+                }
+            }
+#endif
+            for (int64_t r = 0; r < mr; r++) y[(m0 + r) * ldy + n] = out[r] + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
+#ifdef __AVX2__
+static inline __m256 load_w8(const void *W, int int8, int64_t offset) {
+    if (int8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)W + offset))));
+    return _mm256_loadu_ps((const float *)W + offset);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* One row of x (batch 1): four weight rows at a time, four independent FMA chains sharing each x load. */
+static void gemv1_rows4(const float *x, int64_t K, const void *W, const float *S, int64_t G, int int8,
+                        const float *bias, float *y, int64_t n0, int64_t n1) {
+    const int64_t groups = int8 ? K / G : 1, step = int8 ? G : K;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 p0 = _mm256_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+            for (int64_t k = g * step; k < (g + 1) * step; k += 8) {
+                const __m256 xk = _mm256_loadu_ps(x + k);
+                p0 = _mm256_fmadd_ps(load_w8(W, int8, n * K + k), xk, p0);
+                p1 = _mm256_fmadd_ps(load_w8(W, int8, (n + 1) * K + k), xk, p1);
+                p2 = _mm256_fmadd_ps(load_w8(W, int8, (n + 2) * K + k), xk, p2);
+                p3 = _mm256_fmadd_ps(load_w8(W, int8, (n + 3) * K + k), xk, p3);
+            }
+            if (int8) {
+                acc0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(S[n * groups + g]), acc0);
+                acc1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(S[(n + 1) * groups + g]), acc1);
+                acc2 = _mm256_fmadd_ps(p2, _mm256_set1_ps(S[(n + 2) * groups + g]), acc2);
+                acc3 = _mm256_fmadd_ps(p3, _mm256_set1_ps(S[(n + 3) * groups + g]), acc3);
+            } else {
+                acc0 = p0, acc1 = p1, acc2 = p2, acc3 = p3;
+            }
+        }
+        y[n] = hsum8(acc0) + (bias ? bias[n] : 0.0f);
+        y[n + 1] = hsum8(acc1) + (bias ? bias[n + 1] : 0.0f);
+        y[n + 2] = hsum8(acc2) + (bias ? bias[n + 2] : 0.0f);
+        y[n + 3] = hsum8(acc3) + (bias ? bias[n + 3] : 0.0f);
+    }
+    if (n < n1) gemv_rows(x, 1, K, W, S, G, int8, bias, y, 0, n, n1);
+}
+#endif
+
+/* A projection inside the parallel region: rows split over the threads (implicit barrier at the end). */
+static void project(const float *x, int64_t M, int64_t K, const void *W, const float *S, int64_t G, int int8,
+                    const float *bias, float *y, int64_t N) {
+    const int64_t tile = 16, tiles = (N + tile - 1) / tile;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * tile, n1 = n0 + tile < N ? n0 + tile : N;
+#ifdef __AVX2__
+        if (M == 1) {
+            gemv1_rows4(x, K, W, S, G, int8, bias, y, n0, n1);
+            continue;
+        }
+#endif
+        gemv_rows(x, M, K, W, S, G, int8, bias, y, N, n0, n1);
+    }
+}
+
+static void rms_norm_row(const float *x, const float *w, float eps, int64_t H, float *out) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < H; i++) sum += x[i] * x[i];
+    const float r = 1.0f / sqrtf(sum / (float)H + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* rotate-half rope of one head in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) */
+static void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float x1 = x[i], x2 = x[i + h];
+        x[i] = x1 * cos[i] - x2 * sin[i];
+        x[i + h] = x2 * cos[i + h] + x1 * sin[i + h];
+    }
+}
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad position or length. */
+int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_t group, float *hidden, int64_t M,
+                     const float *final_norm, float eps, int64_t H, int64_t I, int64_t num_heads, int64_t kv_heads,
+                     int64_t D, const int64_t *positions, const float *cos_table, const float *sin_table,
+                     int64_t max_positions, const int64_t *slots, const int64_t *block_tables, int64_t table_stride,
+                     const int64_t *seq_lens, int64_t block_size, float scale, int num_threads) {
+    const int64_t Q = num_heads * D, KV = kv_heads * D, QKV = Q + 2 * KV, per_kv = num_heads / kv_heads;
+    int64_t longest = 1;
+    for (int64_t m = 0; m < M; m++) {
+        if (positions[m] < 0 || positions[m] >= max_positions || seq_lens[m] < 1 || seq_lens[m] > max_positions)
+            return 2;
+        if (seq_lens[m] > longest) longest = seq_lens[m];
+    }
+    if (num_threads < 1) num_threads = 1;
+    const size_t floats = (size_t)M * (H + QKV + Q + H + 2 * I + I) + (size_t)num_threads * longest;
+    float *scratch = (float *)malloc(floats * sizeof(float));
+    if (!scratch) return 1;
+    float *normed = scratch, *qkv = normed + M * H, *attn = qkv + M * QKV, *delta = attn + M * Q;
+    float *gate_up = delta + M * H, *act = gate_up + M * 2 * I, *scores_all = act + M * I;
+    /* group: 0 = one scale per output channel (the group is the whole input row) */
+    const int64_t g_h = group ? group : H, g_q = group ? group : Q, g_i = group ? group : I;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        tid = omp_get_thread_num();
+#endif
+        float *scores = scores_all + (size_t)tid * longest;
+        for (int64_t l = 0; l < num_layers; l++) {
+            const layer_t *L = &layers[l];
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) rms_norm_row(hidden + m * H, L->input_norm, eps, H, normed + m * H);
+            project(normed, M, H, L->qkv, L->qkv_scales, g_h, int8, L->qkv_bias, qkv, QKV);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {  /* rope on q and k, then k and v into the cache */
+                float *row = qkv + m * QKV;
+                const float *c = cos_table + positions[m] * D, *s = sin_table + positions[m] * D;
+                for (int64_t h = 0; h < num_heads + kv_heads; h++) rope_head(row + h * D, c, s, D);
+                const int64_t slot = slots[m];
+                memcpy(L->k_cache + slot * KV, row + Q, (size_t)KV * sizeof(float));
+                memcpy(L->v_cache + slot * KV, row + Q + KV, (size_t)KV * sizeof(float));
+            }
+#pragma omp for schedule(static)
+            for (int64_t mh = 0; mh < M * num_heads; mh++) {  /* attention over the cached keys/values */
+                const int64_t m = mh / num_heads, h = mh % num_heads, kvh = h / per_kv, n = seq_lens[m];
+                const float *q = qkv + m * QKV + h * D;
+                const int64_t *table = block_tables + m * table_stride;
+                float best = -INFINITY;
+                for (int64_t t = 0; t < n; t++) {
+                    const float *k = L->k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
+                    scores[t] = dot * scale;
+                    if (scores[t] > best) best = scores[t];
+                }
+                float total = 0.0f;
+                for (int64_t t = 0; t < n; t++) {
+                    scores[t] = expf(scores[t] - best);
+                    total += scores[t];
+                }
+                float *out = attn + m * Q + h * D;
+                memset(out, 0, (size_t)D * sizeof(float));
+                for (int64_t t = 0; t < n; t++) {
+                    const float *v = L->v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
+                    const float p = scores[t];
+#pragma omp simd
+                    for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
+                }
+                const float inv = 1.0f / total;
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) out[i] *= inv;
+            }
+            project(attn, M, Q, L->o, L->o_scales, g_q, int8, NULL, delta, H);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                float *x = hidden + m * H;
+                const float *d = delta + m * H;
+#pragma omp simd
+                for (int64_t i = 0; i < H; i++) x[i] += d[i];
+                rms_norm_row(x, L->post_norm, eps, H, normed + m * H);
+            }
+            project(normed, M, H, L->gate_up, L->gate_up_scales, g_h, int8, NULL, gate_up, 2 * I);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                const float *g = gate_up + m * 2 * I, *u = g + I;
+                float *a = act + m * I;
+                for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+            }
+            project(act, M, I, L->down, L->down_scales, g_i, int8, NULL, delta, H);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                float *x = hidden + m * H;
+                const float *d = delta + m * H;
+#pragma omp simd
+                for (int64_t i = 0; i < H; i++) x[i] += d[i];
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            rms_norm_row(hidden + m * H, final_norm, eps, H, normed + m * H);
+            memcpy(hidden + m * H, normed + m * H, (size_t)H * sizeof(float));
+        }
+    }
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,92 @@
+"""The CPU decode stack (kernels/cpu_decode_stack.py): small decode-only steps in one C call must give
+the module-by-module path's tokens and log-probabilities, and be used exactly when it should."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.kernels import cpu_decode_stack
+from asyncllm.kernels.cpu_decode_stack import MAX_ROWS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 1000) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
+
+
+def _run(llm: LLM, prompts, use_stack: bool, params=GREEDY):
+    runner = llm.engine.runner
+    stack = runner.decode_stack
+    calls = []
+    if stack is not None:
+        original = stack.run
+        stack.run = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    runner.decode_stack = stack if use_stack else None
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        runner.decode_stack = stack
+        if stack is not None:
+            stack.run = original
+    return outputs, len(calls)
+
+
+def _compare(llm: LLM, prompts, atol: float = 1e-4) -> int:
+    fused, calls = _run(llm, prompts, True)
+    plain, _ = _run(llm, prompts, False)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())) for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())) for d in b.outputs[0].logprobs]
+        assert la == pytest.approx(lb, abs=atol)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_stack_equals_module_path(kind, model_dirs):
+    llm = LLM(str(model_dirs[kind]), dtype="float32", block_size=4)
+    assert llm.engine.runner.decode_stack is not None
+    calls = _compare(llm, _prompts(3))
+    assert calls >= 19  # every decode step of the 3 sequences ran there
+
+
+def test_stack_with_two_threads_and_full_batches(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_seqs=32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        calls = _compare(llm, _prompts(MAX_ROWS))
+        assert calls >= 19
+        _, calls = _run(llm, _prompts(MAX_ROWS + 1), True)  # too many rows: the regular path
+        assert calls == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_stack_on_int8_weights(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", quantization="int8")
+    assert llm.engine.runner.decode_stack is not None and llm.engine.runner.decode_stack.int8
+    assert _compare(llm, _prompts(2), atol=1e-3) >= 19
+
+
+def test_stack_off_where_it_does_not_apply(model_dirs, monkeypatch):
+    assert LLM(str(model_dirs["qwen3"]), dtype="float32").engine.runner.decode_stack is None  # q/k norms
+    assert LLM(str(model_dirs["llama"]), attention_backend="torch").engine.runner.decode_stack is None
+    monkeypatch.setenv(cpu_decode_stack.ENV_SWITCH, "0")
+    assert LLM(str(model_dirs["llama"]), dtype="float32").engine.runner.decode_stack is None
+
+
+def test_sampled_rows_and_mixed_steps_are_unchanged(model_dirs):
+    """Seeded sampling through the stack equals the module path (prefill steps use the modules)."""
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    fused, calls = _run(llm, _prompts(4, seed=3), True, params)
+    plain, _ = _run(llm, _prompts(4, seed=3), False, params)
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
+    assert calls > 0

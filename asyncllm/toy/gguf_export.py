@@ -123,3 +123,36 @@ def _add_tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
     writer.add_add_bos_token(False)
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
+
+
+def gguf_to_hf_dir(gguf_file: Path, out_dir: Path) -> Path:
+    """The reverse: a float32 safetensors checkpoint directory from a GGUF file (config, tokenizer and
+    chat template from the converted metadata, weights dequantized and in Hugging Face's row order),
+    through the engine's own GGUF reading. Tests use it to get SmolLM2 as a Hugging Face directory."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ..model.gguf_weights import iter_gguf_tensors
+    from ..model.registry import architecture_names
+    from ..model.source import GGUF_INFO, gguf_tensor_table, resolve_model_source
+
+    source = resolve_model_source(gguf_file)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for file in source.root.iterdir():
+        if file.is_file() and file.name != GGUF_INFO:
+            shutil.copy(file, out_dir / file.name)
+    config = json.loads((out_dir / "config.json").read_text())
+    config.setdefault("architectures", None)
+    if not config["architectures"]:
+        from transformers import AutoConfig
+
+        config["architectures"] = architecture_names(AutoConfig.from_pretrained(source.root))
+    config["dtype"] = "float32"
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    heads = config["num_attention_heads"]
+    tensors = {name: value for name, value in iter_gguf_tensors(
+        source.gguf_file, gguf_tensor_table(source), heads, config.get("num_key_value_heads") or heads, False)}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

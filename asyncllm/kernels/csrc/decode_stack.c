@@ -168,7 +168,51 @@ static void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
     }
 }
 
-/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad position or length. */
+/* Attention of query heads [h0, h0 + per_kv) of row m over its cached keys/values (kv head kvh). */
+static void attend(const layer_t *L, const float *qkv_row, float *out_row, int64_t kvh, int64_t per_kv, int64_t n,
+                   const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t D, float scale, float *scores) {
+    for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++) {
+        const float *q = qkv_row + h * D;
+        float best = -INFINITY;
+        for (int64_t t = 0; t < n; t++) {
+            const float *k = L->k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
+            scores[t] = dot * scale;
+            if (scores[t] > best) best = scores[t];
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+            scores[t] = expf(scores[t] - best);
+            total += scores[t];
+        }
+        float *out = out_row + h * D;
+        memset(out, 0, (size_t)D * sizeof(float));
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = L->v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
+            const float p = scores[t];
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) out[i] *= inv;
+    }
+}
+
+static void add_rows(float *x, const float *d, int64_t count) {
+#pragma omp simd
+    for (int64_t i = 0; i < count; i++) x[i] += d[i];
+}
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad position or length.
+ *
+ * Threads: the projections' rows and the attention's (row, kv head) pairs are split over the threads;
+ * everything per row that is cheap (norms, residual adds, SiLU) every thread computes for itself on
+ * private copies of the hidden state, which saves a barrier each. Five barriers per layer remain
+ * (after each projection and after attention): under CPU oversubscription every barrier waits for
+ * the slowest thread, so fewer is better. */
 int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_t group, float *hidden, int64_t M,
                      const float *final_norm, float eps, int64_t H, int64_t I, int64_t num_heads, int64_t kv_heads,
                      int64_t D, const int64_t *positions, const float *cos_table, const float *sin_table,
@@ -182,11 +226,11 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
         if (seq_lens[m] > longest) longest = seq_lens[m];
     }
     if (num_threads < 1) num_threads = 1;
-    const size_t floats = (size_t)M * (H + QKV + Q + H + 2 * I + I) + (size_t)num_threads * longest;
-    float *scratch = (float *)malloc(floats * sizeof(float));
+    const size_t shared = (size_t)M * (QKV + Q + H + 2 * I);
+    const size_t private_floats = (size_t)M * (2 * H + I) + (size_t)longest;
+    float *scratch = (float *)malloc((shared + (size_t)num_threads * private_floats) * sizeof(float));
     if (!scratch) return 1;
-    float *normed = scratch, *qkv = normed + M * H, *attn = qkv + M * QKV, *delta = attn + M * Q;
-    float *gate_up = delta + M * H, *act = gate_up + M * 2 * I, *scores_all = act + M * I;
+    float *qkv = scratch, *attn = qkv + M * QKV, *delta = attn + M * Q, *gate_up = delta + M * H;
     /* group: 0 = one scale per output channel (the group is the whole input row) */
     const int64_t g_h = group ? group : H, g_q = group ? group : Q, g_i = group ? group : I;
 
@@ -197,82 +241,45 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
         extern int omp_get_thread_num(void);
         tid = omp_get_thread_num();
 #endif
-        float *scores = scores_all + (size_t)tid * longest;
+        float *mine = scratch + shared + (size_t)tid * private_floats;
+        float *x = mine, *normed = x + M * H, *act = normed + M * H, *scores = act + M * I;
+        memcpy(x, hidden, (size_t)(M * H) * sizeof(float));
         for (int64_t l = 0; l < num_layers; l++) {
             const layer_t *L = &layers[l];
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) rms_norm_row(hidden + m * H, L->input_norm, eps, H, normed + m * H);
+            for (int64_t m = 0; m < M; m++) rms_norm_row(x + m * H, L->input_norm, eps, H, normed + m * H);
             project(normed, M, H, L->qkv, L->qkv_scales, g_h, int8, L->qkv_bias, qkv, QKV);
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) {  /* rope on q and k, then k and v into the cache */
+            for (int64_t task = 0; task < M * kv_heads; task++) {
+                /* one (row, kv head): rope and cache its key/value, then its query heads attend */
+                const int64_t m = task / kv_heads, kvh = task % kv_heads;
                 float *row = qkv + m * QKV;
                 const float *c = cos_table + positions[m] * D, *s = sin_table + positions[m] * D;
-                for (int64_t h = 0; h < num_heads + kv_heads; h++) rope_head(row + h * D, c, s, D);
-                const int64_t slot = slots[m];
-                memcpy(L->k_cache + slot * KV, row + Q, (size_t)KV * sizeof(float));
-                memcpy(L->v_cache + slot * KV, row + Q + KV, (size_t)KV * sizeof(float));
-            }
-#pragma omp for schedule(static)
-            for (int64_t mh = 0; mh < M * num_heads; mh++) {  /* attention over the cached keys/values */
-                const int64_t m = mh / num_heads, h = mh % num_heads, kvh = h / per_kv, n = seq_lens[m];
-                const float *q = qkv + m * QKV + h * D;
-                const int64_t *table = block_tables + m * table_stride;
-                float best = -INFINITY;
-                for (int64_t t = 0; t < n; t++) {
-                    const float *k = L->k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
-                    scores[t] = dot * scale;
-                    if (scores[t] > best) best = scores[t];
-                }
-                float total = 0.0f;
-                for (int64_t t = 0; t < n; t++) {
-                    scores[t] = expf(scores[t] - best);
-                    total += scores[t];
-                }
-                float *out = attn + m * Q + h * D;
-                memset(out, 0, (size_t)D * sizeof(float));
-                for (int64_t t = 0; t < n; t++) {
-                    const float *v = L->v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
-                    const float p = scores[t];
-#pragma omp simd
-                    for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
-                }
-                const float inv = 1.0f / total;
-#pragma omp simd
-                for (int64_t i = 0; i < D; i++) out[i] *= inv;
+                float *k = row + Q + kvh * D;
+                rope_head(k, c, s, D);
+                for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++) rope_head(row + h * D, c, s, D);
+                memcpy(L->k_cache + slots[m] * KV + kvh * D, k, (size_t)D * sizeof(float));
+                memcpy(L->v_cache + slots[m] * KV + kvh * D, row + Q + KV + kvh * D, (size_t)D * sizeof(float));
+                attend(L, row, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride, block_size,
+                       kv_heads, D, scale, scores);
             }
             project(attn, M, Q, L->o, L->o_scales, g_q, int8, NULL, delta, H);
-#pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
-                float *x = hidden + m * H;
-                const float *d = delta + m * H;
-#pragma omp simd
-                for (int64_t i = 0; i < H; i++) x[i] += d[i];
-                rms_norm_row(x, L->post_norm, eps, H, normed + m * H);
+                add_rows(x + m * H, delta + m * H, H);
+                rms_norm_row(x + m * H, L->post_norm, eps, H, normed + m * H);
             }
             project(normed, M, H, L->gate_up, L->gate_up_scales, g_h, int8, NULL, gate_up, 2 * I);
-#pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 const float *g = gate_up + m * 2 * I, *u = g + I;
                 float *a = act + m * I;
                 for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
             }
+            /* every thread has read gate_up before anyone overwrites delta: delta was last read
+               before the gate_up projection's barrier */
             project(act, M, I, L->down, L->down_scales, g_i, int8, NULL, delta, H);
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) {
-                float *x = hidden + m * H;
-                const float *d = delta + m * H;
-#pragma omp simd
-                for (int64_t i = 0; i < H; i++) x[i] += d[i];
-            }
+            for (int64_t m = 0; m < M; m++) add_rows(x + m * H, delta + m * H, H);
         }
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            rms_norm_row(hidden + m * H, final_norm, eps, H, normed + m * H);
-            memcpy(hidden + m * H, normed + m * H, (size_t)H * sizeof(float));
-        }
+        if (tid == 0)
+            for (int64_t m = 0; m < M; m++) rms_norm_row(x + m * H, final_norm, eps, H, hidden + m * H);
     }
     free(scratch);
     return 0;

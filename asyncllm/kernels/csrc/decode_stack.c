@@ -132,6 +132,33 @@ static void gemv1_rows4(const float *x, int64_t K, const void *W, const float *S
 }
 #endif
 
+#ifdef __AVX2__
+/* Float32 weights, one row of x: eight weight rows at a time (eight independent FMA chains, eight
+ * streams from memory in flight), each x load shared by all eight. */
+static void gemv1_f32_rows8(const float *x, int64_t K, const float *W, const float *bias, float *y, int64_t n0,
+                            int64_t n1) {
+    int64_t n = n0;
+    for (; n + 8 <= n1; n += 8) {
+        const float *w = W + n * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m256 xk = _mm256_loadu_ps(x + k);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), xk, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + K + k), xk, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * K + k), xk, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * K + k), xk, a3);
+            a4 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * K + k), xk, a4);
+            a5 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * K + k), xk, a5);
+            a6 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * K + k), xk, a6);
+            a7 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * K + k), xk, a7);
+        }
+        const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+        for (int r = 0; r < 8; r++) y[n + r] = hsum8(acc[r]) + (bias ? bias[n + r] : 0.0f);
+    }
+    if (n < n1) gemv1_rows4(x, K, W, NULL, K, 0, bias, y, n, n1);
+}
+#endif
+
 /* A projection inside the parallel region: rows split over the threads (implicit barrier at the end). */
 static void project(const float *x, int64_t M, int64_t K, const void *W, const float *S, int64_t G, int int8,
                     const float *bias, float *y, int64_t N) {
@@ -141,7 +168,8 @@ static void project(const float *x, int64_t M, int64_t K, const void *W, const f
         const int64_t n0 = t * tile, n1 = n0 + tile < N ? n0 + tile : N;
 #ifdef __AVX2__
         if (M == 1) {
-            gemv1_rows4(x, K, W, S, G, int8, bias, y, n0, n1);
+            if (int8) gemv1_rows4(x, K, W, S, G, int8, bias, y, n0, n1);
+            else gemv1_f32_rows8(x, K, (const float *)W, bias, y, n0, n1);
             continue;
         }
 #endif

@@ -197,21 +197,35 @@ static void gemv1_i8_rows8(const float *x, int64_t K, const int8_t *W, const flo
 
 #ifdef __AVX2__
 #define XGROUP 32  /* activation values per int16 scale in gemv1_i8_madd */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 8  /* how far ahead gemv1_i8_madd prefetches weight rows */
+#endif
 
 /* x rounded to int16 per group of 32 values (scale = group absmax / 32767): the int8 x int16 products
  * can then use vpmaddwd (16 multiply-adds per instruction, exact in int32) instead of widening every
  * weight to float. The rounding error is below 1/65534 of each group's largest value, about 250 times
  * finer than bfloat16's. */
 static void quantize_x16(const float *x, int64_t K, int16_t *xq, float *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t a = 0; a < K / XGROUP; a++) {
-        float amax = 0.0f;
-        for (int i = 0; i < XGROUP; i++) {
-            const float v = fabsf(x[a * XGROUP + i]);
-            amax = v > amax ? v : amax;
-        }
-        const float scale = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        xs[a] = scale;
-        for (int i = 0; i < XGROUP; i++) xq[a * XGROUP + i] = (int16_t)lrintf(x[a * XGROUP + i] * inv);
+        const float *g = x + a * XGROUP;
+        const __m256 v0 = _mm256_loadu_ps(g), v1 = _mm256_loadu_ps(g + 8), v2 = _mm256_loadu_ps(g + 16),
+                     v3 = _mm256_loadu_ps(g + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float top = _mm_cvtss_f32(h);
+        xs[a] = top / 32767.0f;
+        const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        /* round to nearest (the default rounding mode), then pack to int16 in order */
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+        const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+        const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
+        _mm256_storeu_si256((__m256i *)(xq + a * XGROUP), p01);
+        _mm256_storeu_si256((__m256i *)(xq + a * XGROUP + 16), p23);
     }
 }
 
@@ -219,7 +233,7 @@ static void quantize_x16(const float *x, int64_t K, int16_t *xq, float *xs) {
  * input columns, two vpmaddwd per row give exact int32 sums, widened to float once and scaled by the
  * activation group's scale (times the weight group's when the weights are grouped by 32). */
 static void gemv1_i8_madd(const int16_t *xq, const float *xs, int64_t K, const int8_t *W, const float *S, int64_t G,
-                          const float *bias, float *y, int64_t n0, int64_t n1) {
+                          const float *bias, float *y, int64_t n0, int64_t n1, int64_t N) {
     const int64_t xgroups = K / XGROUP, wgroups = K / G;
     const int per_channel = wgroups == 1;
     int64_t n = n0;
@@ -231,12 +245,19 @@ static void gemv1_i8_madd(const int16_t *xq, const float *xs, int64_t K, const i
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + k));
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + k + 16));
             const float sx = xs[a];
+            const int64_t wg = per_channel ? 0 : (a * XGROUP) / G;  /* the weights' group of these columns */
+            if (!(a & 1) && n + 8 + PREFETCH_ROWS <= N) {
+                /* rows of 1-2 KB are too short for the hardware prefetcher to ramp up: fetch the next
+                   eight rows' lines while this block computes */
+                for (int r = 0; r < 8; r++)
+                    _mm_prefetch((const char *)(w + (PREFETCH_ROWS + r) * K + k), _MM_HINT_T0);
+            }
 #define MADD_ROW(r, acc)                                                                               \
             {                                                                                          \
                 const int8_t *wr = w + (r) * K + k;                                                    \
                 const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wr)), x0); \
                 const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 16))), x1); \
-                const float sc = per_channel ? sx : sx * S[(n + (r)) * wgroups + k / G];               \
+                const float sc = per_channel ? sx : sx * S[(n + (r)) * wgroups + wg];                  \
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(sc), acc); \
             }
             MADD_ROW(0, a0) MADD_ROW(1, a1) MADD_ROW(2, a2) MADD_ROW(3, a3)
@@ -271,7 +292,7 @@ static void project(const float *x, int64_t M, int64_t K, const void *W, const f
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * tile, n1 = n0 + tile < N ? n0 + tile : N;
-            gemv1_i8_madd(xq, xs, K, (const int8_t *)W, S, G, bias, y, n0, n1);
+            gemv1_i8_madd(xq, xs, K, (const int8_t *)W, S, G, bias, y, n0, n1, N);
         }
         return;
     }
@@ -310,7 +331,9 @@ static void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
     }
 }
 
-/* Attention of query heads [h0, h0 + per_kv) of row m over its cached keys/values (kv head kvh). */
+/* Attention of the query heads of kv head kvh (per_kv of them) of one row over its cached
+ * keys/values: scores (vectorised dot products), softmax (exp vectorised through libmvec), then the
+ * weighted sum of values with the head's output held in registers across the keys. */
 static void attend(const layer_t *L, const float *qkv_row, float *out_row, int64_t kvh, int64_t per_kv, int64_t n,
                    const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t D, float scale, float *scores) {
     for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++) {
@@ -318,27 +341,50 @@ static void attend(const layer_t *L, const float *qkv_row, float *out_row, int64
         float best = -INFINITY;
         for (int64_t t = 0; t < n; t++) {
             const float *k = L->k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
+            float dot;
+#ifdef __AVX2__
+            if (D % 16 == 0) {
+                __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+                for (int64_t i = 0; i < D; i += 16) {
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+                    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), b);
+                }
+                dot = hsum8(_mm256_add_ps(a, b));
+            } else
+#endif
+            {
+                dot = 0.0f;
+                for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
+            }
             scores[t] = dot * scale;
-            if (scores[t] > best) best = scores[t];
+            best = scores[t] > best ? scores[t] : best;
         }
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) scores[t] = expf(scores[t] - best);
         float total = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            scores[t] = expf(scores[t] - best);
-            total += scores[t];
-        }
+        for (int64_t t = 0; t < n; t++) total += scores[t];
+        const float inv = 1.0f / total;
         float *out = out_row + h * D;
+#ifdef __AVX2__
+        if (D % 8 == 0 && D <= 128) {
+            __m256 acc[16];
+            for (int64_t j = 0; j < D / 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const float *v = L->v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
+                const __m256 pt = _mm256_set1_ps(scores[t]);
+                for (int64_t j = 0; j < D / 8; j++) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), acc[j]);
+            }
+            const __m256 iv = _mm256_set1_ps(inv);
+            for (int64_t j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], iv));
+            continue;
+        }
+#endif
         memset(out, 0, (size_t)D * sizeof(float));
         for (int64_t t = 0; t < n; t++) {
             const float *v = L->v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
             const float p = scores[t];
-#pragma omp simd
             for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
         }
-        const float inv = 1.0f / total;
-#pragma omp simd
         for (int64_t i = 0; i < D; i++) out[i] *= inv;
     }
 }

@@ -1,6 +1,6 @@
 """The CPU decode step of a small batch as one C call (``csrc/decode_stack.c``).
 
-A decode-only step of at most :data:`MAX_ROWS` sequences (one new token each) skips the module-by-
+A decode-only step of at most :data:`MAX_ROWS` (4) sequences (one new token each) skips the module-by-
 module forward: after the embedding lookup, one call runs every layer, and the LM head follows.
 That is where batch-1 latency goes on CPU: ~15 torch operations per layer cost more than reading
 the layer's weights. Larger batches and prefill chunks keep the regular path (oneDNN projections,
@@ -28,7 +28,7 @@ from .metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "ASYNCLLM_CPU_DECODE_STACK"
-MAX_ROWS = 8  # decode batches up to this size run here; beyond it oneDNN's packed GEMM is faster
+MAX_ROWS = 4  # decode batches up to this size run here; from 8 rows oneDNN's packed GEMM is faster (measured on SmolLM2)
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
                  "gate_up_scales", "down_scales", "qkv_bias", "k_cache", "v_cache")

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from asyncllm.demo import CHAT_QUESTIONS
+
 TEXTS = [
     "The capital of France is Paris, a city known for its museums, its cafes and the Eiffel Tower.",
     "Water boils at one hundred degrees Celsius at sea level, and it freezes at zero degrees.",
@@ -40,16 +42,7 @@ TEXTS = [
     "Learning a new language takes practice, patience and a lot of listening.",
     "The train leaves the station at nine o'clock and arrives in the city two hours later.",
 ]
-QUESTIONS = [
-    "What is the capital of France?",
-    "Give me three tips for a good night's sleep.",
-    "Write a haiku about the sea.",
-    "Explain in two sentences what a CPU does.",
-    "What are the primary colors?",
-    "Suggest a name for a friendly robot.",
-    "How many legs does a spider have?",
-    "What is photosynthesis?",
-]
+QUESTIONS = CHAT_QUESTIONS + ["How many legs does a spider have?", "What is photosynthesis?"]
 
 
 def score(llm, texts: list[str]) -> list[list[tuple[int, float, int]]]:

@@ -26,13 +26,12 @@ unless ``--json`` is given.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cpu_kernels import time_ms
 from benchmarks.measure import write_report
 
 # SmolLM2-360M: (N out, K in) of q (and the fused qkv is 960), o, gate_up, down, LM head
@@ -43,14 +42,7 @@ COPY_BYTES_CAP = 1 << 30
 
 def _median_ms(fn: Callable[[], object], repeats: int, calls: int = 1) -> float:
     """Median over ``repeats`` runs of ``fn`` (which makes ``calls`` layer calls), per call, in ms."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times) * 1e3
+    return time_ms(fn, repeats) / calls
 
 
 def _variants(weight: torch.Tensor, copies: int) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:

@@ -161,39 +161,6 @@ static void gemv1_f32_rows8(const float *x, int64_t K, const float *W, const flo
 }
 #endif
 
-#ifdef __AVX2__
-/* Int8 weights, one row of x: eight weight rows at a time, widened in registers; grouped scales
- * multiply the widened weights (one scale broadcast per group and row), a per-channel scale the
- * finished sum. */
-static void gemv1_i8_rows8(const float *x, int64_t K, const int8_t *W, const float *S, int64_t G, const float *bias,
-                           float *y, int64_t n0, int64_t n1) {
-    const int64_t groups = K / G;
-    const int per_channel = groups == 1;
-    int64_t n = n0;
-    for (; n + 8 <= n1; n += 8) {
-        const int8_t *w = W + n * K;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-#define I8_ROW(r, acc)                                                                             \
-        {                                                                                          \
-            __m256 wv = WIDEN_I8(w + (r) * K + k);                                                 \
-            if (!per_channel) wv = _mm256_mul_ps(wv, _mm256_broadcast_ss(S + (n + (r)) * groups + g)); \
-            acc = _mm256_fmadd_ps(wv, xk, acc);                                                    \
-        }
-        for (int64_t g = 0; g < groups; g++) {
-            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
-                const __m256 xk = _mm256_loadu_ps(x + k);
-                I8_ROW(0, a0) I8_ROW(1, a1) I8_ROW(2, a2) I8_ROW(3, a3)
-                I8_ROW(4, a4) I8_ROW(5, a5) I8_ROW(6, a6) I8_ROW(7, a7)
-            }
-        }
-#undef I8_ROW
-        const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-        for (int r = 0; r < 8; r++)
-            y[n + r] = hsum8(acc[r]) * (per_channel ? S[n + r] : 1.0f) + (bias ? bias[n + r] : 0.0f);
-    }
-    if (n < n1) gemv1_rows4(x, K, W, S, G, 1, bias, y, n, n1);
-}
-#endif
 
 #ifdef __AVX2__
 #define XGROUP 32  /* activation values per int16 scale in gemv1_i8_madd */
@@ -303,7 +270,7 @@ static void project(const float *x, int64_t M, int64_t K, const void *W, const f
         const int64_t n0 = t * tile, n1 = n0 + tile < N ? n0 + tile : N;
 #ifdef __AVX2__
         if (M == 1) {
-            if (int8) gemv1_i8_rows8(x, K, (const int8_t *)W, S, G, bias, y, n0, n1);
+            if (int8) gemv1_rows4(x, K, W, S, G, int8, bias, y, n0, n1);  /* widths not a multiple of 32 */
             else gemv1_f32_rows8(x, K, (const float *)W, bias, y, n0, n1);
             continue;
         }

@@ -66,6 +66,7 @@ def test_hub_id_loads_from_the_local_hub_cache(offline_hub, model_dirs):
     make_hub_cache(offline_hub, "toy-org/tiny-llama", model_dirs["llama"])
     by_id = LLM("toy-org/tiny-llama", dtype="float32")
     assert by_id.engine.model_dir.parent.parent.name == "models--toy-org--tiny-llama"
+    assert by_id.engine.source.hub_id == "toy-org/tiny-llama"
     assert _greedy(by_id) == _greedy(LLM(str(model_dirs["llama"]), dtype="float32"))
 
 
@@ -268,3 +269,16 @@ def test_generation_config_defaults_apply_to_unset_fields(tmp_path, model_dirs):
     assert off.inputs.process(PROMPTS[0], None)[1].params.temperature == 1.0
     with pytest.raises(ConfigError, match="generation_config"):
         LLM(str(copy), generation_config="vllm")
+
+
+def test_server_names_a_hub_model_by_its_id(offline_hub, model_dirs):
+    from asyncllm.server.app import default_model_name
+
+    make_hub_cache(offline_hub, "toy-org/tiny-llama", model_dirs["llama"])
+
+    async def name() -> tuple[str, str]:
+        async with AsyncLLM("toy-org/tiny-llama", dtype="float32") as by_id, \
+                AsyncLLM(str(model_dirs["llama"]), dtype="float32") as by_path:
+            return default_model_name(by_id), default_model_name(by_path)
+
+    assert asyncio.run(name()) == ("toy-org/tiny-llama", model_dirs["llama"].name)

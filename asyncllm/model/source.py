@@ -47,6 +47,7 @@ class ModelSource:
     root: Path
     gguf_file: Path | None = None
     name: str = ""  # what the user asked for (a path or a hub id), for messages
+    hub_id: str | None = None  # set when ``name`` was resolved on the hub
 
     @property
     def is_gguf(self) -> bool:
@@ -75,7 +76,7 @@ def resolve_model_source(model: str | os.PathLike, revision: str | None = None,
         raise ModelLoadError(f"{name!r} has no config.json and no .gguf file: not a model directory")
     if _looks_like_local_path(name):
         raise ModelLoadError(f"model path {name!r} does not exist")
-    return ModelSource(_hub_snapshot(name, revision, token), None, name)
+    return ModelSource(_hub_snapshot(name, revision, token), None, name, hub_id=name)
 
 
 def _looks_like_local_path(name: str) -> bool:

@@ -81,7 +81,11 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
 
 
 def default_model_name(llm: "AsyncLLM") -> str:
-    """The basename of the model directory (``/models/Qwen2.5-0.5B/`` -> ``Qwen2.5-0.5B``)."""
+    """A hub id as given (``Qwen/Qwen2.5-0.5B-Instruct``), else the basename of the model path
+    (``/models/Qwen2.5-0.5B/`` -> ``Qwen2.5-0.5B``, ``/models/x.Q8_0.gguf`` -> ``x.Q8_0.gguf``)."""
+    source = getattr(getattr(llm, "engine", None), "source", None)
+    if source is not None and source.hub_id:
+        return source.hub_id
     return Path(llm.config.model).resolve().name
 
 

@@ -253,6 +253,15 @@ def test_skip_tokenizer_init_serves_token_ids(model_dirs):
 
     assert asyncio.run(stream()) == out.outputs[0].token_ids
 
+    async def serve() -> None:
+        from asyncllm.server import create_app
+
+        async with AsyncLLM(str(model_dirs["llama"]), dtype="float32", skip_tokenizer_init=True) as allm:
+            with pytest.raises(ConfigError, match="skip_tokenizer_init"):
+                create_app(allm)
+
+    asyncio.run(serve())
+
 
 def test_generation_config_defaults_apply_to_unset_fields(tmp_path, model_dirs):
     copy = tmp_path / "with-defaults"

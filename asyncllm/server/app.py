@@ -45,13 +45,16 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
     """An OpenAI-compatible Starlette app serving ``llm``; mount it anywhere or run it as is.
 
-    ``model_name`` is what clients pass as ``model`` (default: the checkpoint directory's name).
+    ``model_name`` is what clients pass as ``model`` (default: :func:`default_model_name`).
     With ``api_key`` set, every route but ``/health`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>``. ``allow_lora_loading`` lists the directories that
     ``/v1/load_lora_adapter`` may load adapters from (off by default: the LoRA routes answer 403).
     POST bodies must be JSON (415 otherwise) of at most ``max_body_bytes`` (413 past it).
     The host creates and closes ``llm``.
     """
+    if getattr(llm, "tokenizer", True) is None:
+        raise ConfigError("the server needs a tokenizer (chat templates, text prompts and outputs, logprobs): "
+                          "this engine was started with skip_tokenizer_init=True")
     name = model_name or default_model_name(llm)
     if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1:
         raise ConfigError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")

@@ -121,3 +121,11 @@ def test_resilient_service_example(model_dirs):
     assert served >= 4 and overloaded >= 1 and served + overloaded == 16
     assert report["engine fault"].startswith("4 streams got EngineDeadError; then 0 running, 0 blocks used")
     assert "next request: 4 tokens" in report["engine fault"]
+
+
+def test_real_checkpoints_example(model_dirs):
+    """On the tests' checkpoint (the example's default, SmolLM2, runs in tests/test_real_model.py's way)."""
+    module = _load("real_checkpoints")
+    result = asyncio.run(module.run(str(model_dirs["llama"]), quantization="int8", max_tokens=4))
+    assert result["int8"] and result["source"] == "directory"
+    assert set(result["answers"]) == set(module.QUESTIONS)

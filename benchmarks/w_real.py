@@ -56,7 +56,8 @@ from typing import Any, Callable
 
 from benchmarks.common import machine_info
 from benchmarks.measure import (
-    MEMORY_METHOD, MemoryMeter, StepRecorder, loadavg, model_config, reset_prefix_cache, utc_now, write_report,
+    MEMORY_METHOD, MemoryMeter, StepRecorder, loadavg, model_config, portable, reset_prefix_cache, utc_now,
+    write_report,
 )
 
 BENCHMARK = "W-REAL"
@@ -720,6 +721,20 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads_before)
 
 
+def report_paths(value: Any) -> Any:
+    """``value`` with every absolute path as a committed report may show it: inside the checkout or
+    the home folder as ``write_report`` shortens it, anywhere else only its last component (another
+    machine has other folders; the report names the build and files by name and version)."""
+    if isinstance(value, dict):
+        return {key: report_paths(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [report_paths(item) for item in value]
+    if not isinstance(value, str) or not os.path.isabs(value) or value == sys.executable:
+        return value
+    shown = portable(value)
+    return shown if shown != value else f".../{Path(value).name}"
+
+
 def _tree_name(tree: Path | None) -> str | None:
     """Where the llama.cpp sources came from, without this machine's folders (e.g. the sdist's name)."""
     if tree is None:
@@ -842,7 +857,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
     if args.json:
-        write_report(args.json, report)
+        write_report(args.json, report_paths(report))
         log(f"wrote {args.json}")
     measured = any(e["batches"] for e in results.values())
     return 0 if measured else 1

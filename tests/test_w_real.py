@@ -63,6 +63,8 @@ def test_tiny_run_covers_every_engine_and_batch(llama_dir, tmp_path):
     assert code == 0
     r = json.loads(out.read_text())
     assert r["benchmark"] == "W-REAL" and r["workload"]["batches"] == [1, 2]
+    # no machine paths in a report meant to be committed: folders outside the checkout and home by name only
+    assert r["args"]["llamacpp_dir"] == ".../llamacpp" and str(tmp_path) not in json.dumps(r)
     prompt_len, gen_len = r["workload"]["prompt_len"], r["workload"]["gen_len"]
     assert (prompt_len, gen_len) == (16, 8)
     res = r["results"]

@@ -63,6 +63,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+            raise ConfigError(f"revision must be a branch, tag or commit name, got {self.revision!r}")
+        if self.hf_token is not None and not isinstance(self.hf_token, (str, bool)):
+            raise ConfigError("hf_token must be a string, True/False or None")
         if self.quantization not in (None, "int8", "none"):
             raise ConfigError(f"quantization must be None, 'int8' or 'none', got {self.quantization!r}")
         if self.generation_config not in ("auto", "none"):

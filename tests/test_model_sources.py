@@ -278,6 +278,13 @@ def test_generation_config_defaults_apply_to_unset_fields(tmp_path, model_dirs):
     assert off.inputs.process(PROMPTS[0], None)[1].params.temperature == 1.0
     with pytest.raises(ConfigError, match="generation_config"):
         LLM(str(copy), generation_config="vllm")
+    # values no request could use are dropped (with a warning), not applied to every request
+    (copy / "generation_config.json").write_text(json.dumps({"temperature": -3, "top_p": 0.5, "max_new_tokens": 0}))
+    request = LLM(str(copy), dtype="float32").inputs.process(PROMPTS[0], None)[1]
+    assert request.params.temperature == 1.0 and request.params.top_p == 0.5 and request.max_tokens == 16
+    for bad in ({"revision": ""}, {"revision": 3}, {"hf_token": 5}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            LLM(str(copy), **bad)
 
 
 def test_server_names_a_hub_model_by_its_id(offline_hub, model_dirs):

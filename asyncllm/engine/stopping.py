@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -39,11 +40,12 @@ class StopChecker:
     def __init__(self, root: Path, hf_config, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.eos_token_ids = _token_set(getattr(hf_config, "eos_token_id", None))
-        if (root / "generation_config.json").is_file():
-            from transformers import GenerationConfig
-
-            generation = GenerationConfig.from_pretrained(root, local_files_only=True)
-            self.eos_token_ids |= _token_set(generation.eos_token_id)
+        path = root / "generation_config.json"
+        if path.is_file():  # read as JSON: transformers' GenerationConfig refuses files with odd sampling values
+            try:
+                self.eos_token_ids |= _token_set(json.loads(path.read_text()).get("eos_token_id"))
+            except (OSError, ValueError, TypeError) as e:
+                logger.warning("ignoring the eos_token_id of %s: %s", path, e)
 
     def min_tokens_blocked(self, params: SamplingParams) -> list[int]:
         """Tokens that would end the sequence, forbidden until ``min_tokens`` are generated."""

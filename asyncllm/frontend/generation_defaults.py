@@ -13,6 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidRequestError
+from ..sampling_params import SamplingParams
+
 logger = logging.getLogger(__name__)
 
 # generation_config.json name -> SamplingParams name
@@ -38,6 +41,12 @@ def sampling_defaults(root: Path) -> dict[str, Any]:
         defaults["temperature"] = 0.0
         for name in ("top_p", "top_k", "min_p"):
             defaults.pop(name, None)
+    for name, value in list(defaults.items()):  # a bad file must not make every request fail
+        try:
+            SamplingParams(**{name: value}).validate()
+        except (InvalidRequestError, TypeError) as e:
+            logger.warning("ignoring %s=%r from %s: %s", name, value, path, e)
+            del defaults[name]
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s", defaults)
     return defaults

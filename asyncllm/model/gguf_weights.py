@@ -55,8 +55,9 @@ class QuantizedRows:
         return self.qweight.shape[1] // self.scales.shape[1]
 
     def dequantize(self) -> torch.Tensor:
-        return (self.qweight.float().view(self.shape[0], self.scales.shape[1], -1)
-                * self.scales.unsqueeze(-1)).view(self.shape)
+        from ..kernels.int8_weights import dequantize_weight
+
+        return dequantize_weight(self.qweight, self.scales)
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -113,14 +113,16 @@ def _copy_tensor(model, params: dict, name: str, tensor, fused_map: dict) -> str
             target = name.replace(hf_name, fused)
             _check_known(params, target, name)
             param = params[target]
-            rows = param.out_features if isinstance(param, Int8Slot) else param.shape[0]
-            start, size = _slice_of(model, fused, part, rows)
+            start, size = _slice_of(model, fused, part, _rows(param))
             _assign_rows(param, start, size, tensor, name)
             return f"{target}:{part}"
     _check_known(params, name, name)
-    target = params[name]
-    _assign_rows(target, 0, target.out_features if isinstance(target, Int8Slot) else target.shape[0], tensor, name)
+    _assign_rows(params[name], 0, _rows(params[name]), tensor, name)
     return name
+
+
+def _rows(target) -> int:
+    return target.out_features if isinstance(target, Int8Slot) else target.shape[0]
 
 
 def _assign_rows(target, start: int, size: int, tensor, name: str) -> None:

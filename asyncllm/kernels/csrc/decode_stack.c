@@ -30,6 +30,20 @@ typedef struct {
     float *k_cache, *v_cache;                 /* [blocks][block_size][kv_heads][D] */
 } layer_t;
 
+#ifdef __AVX2__
+static inline __m256 load_w8(const void *W, int int8, int64_t offset) {
+    if (int8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)W + offset))));
+    return _mm256_loadu_ps((const float *)W + offset);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+#endif
+
 /* y[m][n] (+)= x[m] . W[n] for rows n in [n0, n1), m < M; W float (int8 = 0) or int8 with scales. */
 static void gemv_rows(const float *x, int64_t M, int64_t K, const void *W, const float *S, int64_t G, int int8,
                       const float *bias, float *y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -44,13 +58,7 @@ static void gemv_rows(const float *x, int64_t M, int64_t K, const void *W, const
                 const int64_t kb = int8 ? g * G : 0, ke = int8 ? kb + G : K;
                 __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
                 for (int64_t k = kb; k < ke; k += 8) {
-                    __m256 w;
-                    if (int8) {
-                        const int8_t *wr = (const int8_t *)W + n * K + k;
-                        w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wr)));
-                    } else {
-                        w = _mm256_loadu_ps((const float *)W + n * K + k);
-                    }
+                    const __m256 w = load_w8(W, int8, n * K + k);
                     for (int64_t r = 0; r < mr; r++)
                         part[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + r) * K + k), part[r]);
                 }
@@ -61,12 +69,7 @@ static void gemv_rows(const float *x, int64_t M, int64_t K, const void *W, const
                     for (int64_t r = 0; r < mr; r++) acc[r] = part[r];
                 }
             }
-            for (int64_t r = 0; r < mr; r++) {
-                __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-                lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-                lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-                out[r] = _mm_cvtss_f32(lo);
-            }
+            for (int64_t r = 0; r < mr; r++) out[r] = hsum8(acc[r]);
 #else
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t kb = int8 ? g * G : 0, ke = int8 ? kb + G : K;
@@ -86,20 +89,6 @@ static void gemv_rows(const float *x, int64_t M, int64_t K, const void *W, const
 }
 
 #ifdef __AVX2__
-#define WIDEN_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-
-static inline __m256 load_w8(const void *W, int int8, int64_t offset) {
-    if (int8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)W + offset))));
-    return _mm256_loadu_ps((const float *)W + offset);
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
-
 /* One row of x (batch 1): four weight rows at a time, four independent FMA chains sharing each x load. */
 static void gemv1_rows4(const float *x, int64_t K, const void *W, const float *S, int64_t G, int int8,
                         const float *bias, float *y, int64_t n0, int64_t n1) {

@@ -120,23 +120,25 @@ class AsyncLLM:
     # ---- public API -----------------------------------------------------------------------------
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, lora: Any = None,
                      request_id: str | None = None, tools: list | None = None, tool_choice: Any = None,
-                     parallel_tool_calls: bool | None = None, timeout: float | None = None,
+                     parallel_tool_calls: bool | None = None, timeout: float | None = None, priority: int = 0,
                      **sampling_kwargs: Any) -> AsyncIterator[str]:
         """Yield the newly decoded text of the request as it is generated (never cumulative).
 
         ``timeout``: seconds the whole request may take; past it the request is aborted (its KV
-        blocks freed) and the stream raises RequestTimeoutError."""
+        blocks freed) and the stream raises RequestTimeoutError. ``priority``: lower values are
+        scheduled first and may preempt running requests of a higher value (docs/async.md)."""
         n = sampling_kwargs.get("n", params.n if params is not None else 1)
         if n != 1:
             raise InvalidRequestError("n: stream() yields one text; use stream_outputs() for n > 1", field="n")
         tool_args = (tools, tool_choice, parallel_tool_calls)
-        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout):
+        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs,
+                                        timeout, priority):
             if delta.outputs[0].text:
                 yield delta.outputs[0].text
 
     async def stream_outputs(self, prompt: Prompt, params: SamplingParams | None = None, *, lora: Any = None,
                              request_id: str | None = None, tools: list | None = None, tool_choice: Any = None,
-                             parallel_tool_calls: bool | None = None, timeout: float | None = None,
+                             parallel_tool_calls: bool | None = None, timeout: float | None = None, priority: int = 0,
                              **sampling_kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs holding only what is new since the previous one.
 
@@ -144,18 +146,20 @@ class AsyncLLM:
         fragments (see docs/tools.md); ``tool_choice`` is "none", "auto", "required" or
         ``{"type": "function", "function": {"name": ...}}``; ``timeout`` as in :meth:`stream`."""
         tool_args = (tools, tool_choice, parallel_tool_calls)
-        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout):
+        async for _, delta in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs,
+                                        timeout, priority):
             yield delta
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, lora: Any = None,
                        request_id: str | None = None, tools: list | None = None, tool_choice: Any = None,
-                       parallel_tool_calls: bool | None = None, timeout: float | None = None,
+                       parallel_tool_calls: bool | None = None, timeout: float | None = None, priority: int = 0,
                        **sampling_kwargs: Any) -> RequestOutput:
         """Run the request to completion and return its whole output (with ``tools``: the parsed
         ``tool_calls`` and finish_reason "tool_calls" when the model called any)."""
         tool_args = (tools, tool_choice, parallel_tool_calls)
         state = None
-        async for state, _ in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout):
+        async for state, _ in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs,
+                                        timeout, priority):
             pass
         return state.output()
 
@@ -221,7 +225,7 @@ class AsyncLLM:
         await self.aclose()
 
     # ---- event-loop side --------------------------------------------------------------------------
-    async def _run(self, prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout=None
+    async def _run(self, prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout=None, priority=0
                    ) -> AsyncIterator[tuple[RequestState, RequestOutput]]:
         """``tool_args``: (tools, tool_choice, parallel_tool_calls) as the public methods got them."""
         _check_timeout(timeout)
@@ -233,7 +237,7 @@ class AsyncLLM:
         tools, tool_choice, parallel_tool_calls = tool_args
         process = functools.partial(self.inputs.process, prompt, params, request_id or f"req-{uuid.uuid4().hex}",
                                     sampling_kwargs, tools, lora=adapter, tool_choice=tool_choice,
-                                    parallel_tool_calls=parallel_tool_calls)
+                                    parallel_tool_calls=parallel_tool_calls, priority=priority)
         if self.inputs.needs_worker(prompt, params, sampling_kwargs, tools):
             text, request = await self.offload(process)  # the loop keeps serving meanwhile
         else:

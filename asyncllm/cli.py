@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
+                       help="token budget of one engine step (default: 2048 on CPU, 8192 on CUDA)")
+    serve.add_argument("--max-itl-ms", type=_itl_target, default="auto", metavar="MS|auto|none",
+                       help="inter-token latency target that sizes prefill chunks beside running streams: "
+                            "'auto' (3x the decode step, the default), a number of milliseconds, or 'none' "
+                            "(throughput mode)")
     serve.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
                        help="bytes of KV cache (default: a share of free memory; see docs/api.md)")
     serve.add_argument("--max-n", type=int, default=128, help="the largest n a request may ask for (default 128)")
@@ -55,6 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("bench", add_help=False, help="run the benchmark suite (a source checkout only; "
                         "'asyncllm bench --help' for its options)")
     return parser
+
+
+def _itl_target(value: str) -> float | str | None:
+    """``--max-itl-ms``: "auto", "none" or a positive number of milliseconds."""
+    if value.lower() in ("auto", "none"):
+        return None if value.lower() == "none" else "auto"
+    try:
+        ms = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, 'auto' or 'none', got {value!r}")
+    if not 0 < ms < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
+    return ms
 
 
 def bench(argv: list[str]) -> int:

@@ -28,6 +28,7 @@ class EngineConfig:
     max_n: int = 128                   # the largest n a request may ask for (OpenAI's bound)
     max_waiting_requests: int = 4096   # requests queued beyond those running; more are refused (HTTP 429)
     max_num_batched_tokens: int | None = None
+    max_itl_ms: float | str | None = "auto"  # inter-token latency target for prefill chunking (engine/step_budget.py)
     block_size: int = 16
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
@@ -63,6 +64,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        itl = self.max_itl_ms
+        if not (itl is None or itl == "auto" or (isinstance(itl, (int, float)) and not isinstance(itl, bool)
+                                                   and 0 < itl < float("inf"))):
+            raise ConfigError(f"max_itl_ms must be a positive number of milliseconds, 'auto' or None, got {itl!r}")
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
             raise ConfigError(f"revision must be a branch, tag or commit name, got {self.revision!r}")
         if self.hf_token is not None and not isinstance(self.hf_token, (str, bool)):

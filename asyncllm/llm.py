@@ -28,6 +28,9 @@ class LLM:
     """
 
     def __init__(self, model: str, *, tool_parser: str | None = None, **engine_kwargs: Any) -> None:
+        """Other keywords configure the engine (docs/api.md). ``max_itl_ms`` defaults to None here:
+        ``generate`` streams nothing, so throughput is all that counts (AsyncLLM defaults to "auto")."""
+        engine_kwargs.setdefault("max_itl_ms", None)
         self.config = EngineConfig.from_kwargs(model, engine_kwargs)
         self.engine = EngineCore(self.config)
         # skip_tokenizer_init: token ids in and out, no text (docs/api.md)
@@ -40,13 +43,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, lora: Any = None, use_tqdm: bool | None = None, tools: list | None = None,
-                 tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
+                 tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                 priority: int | Seq[int] = 0) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
         ``prompts`` is one prompt or a list of them (text, token ids or chat messages);
         ``params`` is one SamplingParams for all or a list with one per prompt; ``lora`` likewise
         one adapter (name or LoRARequest) for all, or a list with one per prompt (None: base model).
         ``tools``/``tool_choice``/``parallel_tool_calls`` apply to every (chat) prompt (docs/tools.md).
+        ``priority`` is one integer for all or one per prompt: lower values are scheduled first.
         """
         prompts = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompts))
@@ -54,10 +59,16 @@ class LLM:
         if len(loras) != len(prompts):
             raise InvalidRequestError(f"lora: {len(loras)} adapters for {len(prompts)} prompts", field="lora")
         adapters = [load_lora(self.engine.loras, item) for item in loras]
+        priorities = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InvalidRequestError(f"priority: {len(priorities)} values for {len(prompts)} prompts",
+                                      field="priority")
         batch = next(_batch_ids)
         tool_args = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
-        requests = [self.inputs.process(p, sp, request_id=f"gen-{batch}-{i}", lora=adapter, **tool_args)
-                    for i, (p, sp, adapter) in enumerate(zip(prompts, params_list, adapters))]  # validate all first
+        requests = [self.inputs.process(p, sp, request_id=f"gen-{batch}-{i}", lora=adapter, priority=prio,
+                                        **tool_args)
+                    for i, (p, sp, adapter, prio) in enumerate(zip(prompts, params_list, adapters, priorities))
+                    ]  # validate all first
         processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence, self.engine.abort_request)
         for text, request in requests:
             processor.add(request, text)

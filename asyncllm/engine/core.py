@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from ..structured import prefetch_masks
 from .kv_cache import KVCacheManager
 from .request import EngineRequest, Sequence, SequenceStatus
 from .scheduler import ScheduledBatch, Scheduler
+from .step_budget import StepBudget
+from .step_time import StepFeatures, StepTimeModel, calibrate
 from .block_tables import BlockTableRows
 from .step_input import StepInput
 from .stopping import StopChecker, resolve_max_model_len
@@ -59,6 +62,11 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.runner = ModelRunner(config, self.hf_config, self.source, self.max_model_len)
         self.vocab_size = self.runner.shape.vocab_size
+        self.token_budget = config.max_num_batched_tokens or self.runner.platform.default_token_budget
+        # the step-time model outlives resets: it describes the machine and the model, not the requests
+        self.step_time = StepTimeModel()
+        if config.max_itl_ms is not None:
+            calibrate(self.step_time, self.runner, self.token_budget, config.max_num_seqs, self.max_model_len)
         self._build_scheduling_state()
         self.loras = LoRARegistry(self.runner.shape, config.max_lora_rank, config.max_cpu_loras)
         self.stop_checker = StopChecker(root, self.hf_config, self.max_model_len)
@@ -69,8 +77,8 @@ class EngineCore:
     def _build_scheduling_state(self) -> None:
         config = self.config
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        budget = config.max_num_batched_tokens or self.runner.platform.default_token_budget
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, config.max_loras)
+        step_budget = StepBudget(self.step_time, config.max_itl_ms) if config.max_itl_ms is not None else None
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.token_budget, config.max_loras, step_budget)
         self.block_table_rows = BlockTableRows(config.max_num_seqs)
 
     def reset(self) -> None:
@@ -108,7 +116,13 @@ class EngineCore:
         outputs = self.apply_pending()
         batch = self.scheduler.schedule()
         if batch.seqs:
-            outputs.extend(self._run(batch))
+            if self.scheduler.step_budget is None:
+                outputs.extend(self._run(batch))
+            else:  # the policy's model learns from every step it shaped
+                features = StepFeatures.of_batch(batch)
+                begin = time.perf_counter()
+                outputs.extend(self._run(batch))
+                self.step_time.observe(features, time.perf_counter() - begin)
         return outputs
 
     def stats(self) -> dict[str, int]:

@@ -38,6 +38,7 @@ class EngineRequest:
     grammar: Any = None                 # structured output: a compiled GrammarTemplate (asyncllm.structured)
     tool_context: Any = None            # the front's tool-calling state (parser choice); the engine ignores it
     num_unfinished: int = 0             # the engine's count of this request's sequences still running
+    priority: int = 0                   # lower runs first (scheduler.py); equal priorities: arrival order
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.cache_salt is None:
@@ -52,6 +53,7 @@ class Sequence:
         self.index = index
         self.seq_id = f"{request.request_id}#{index}"
         self.params = request.params
+        self.priority = request.priority
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0

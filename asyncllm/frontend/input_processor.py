@@ -48,8 +48,9 @@ class InputProcessor:
     def process(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
                 sampling_kwargs: dict[str, Any] | None = None, tools: list | None = None,
                 cache_salt: Any = None, lora: Any = None, tool_choice: Any = None,
-                parallel_tool_calls: bool | None = None) -> tuple[str | None, EngineRequest]:
+                parallel_tool_calls: bool | None = None, priority: int = 0) -> tuple[str | None, EngineRequest]:
         """Tokenize and validate; raises InvalidRequestError naming the bad field."""
+        check_priority(priority)
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("params: expected a SamplingParams", field="params")
         # always a private copy: validation normalises fields and the caller may reuse its object
@@ -73,7 +74,7 @@ class InputProcessor:
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id: expected a non-empty string", field="request_id")
         request = EngineRequest(request_id, ids, params, max_tokens, time.monotonic(), cache_salt, lora,
-                                grammar=grammar, tool_context=tool_context)
+                                grammar=grammar, tool_context=tool_context, priority=priority)
         return text, request
 
     def needs_worker(self, prompt: Any, params: SamplingParams | None, sampling_kwargs: dict[str, Any],
@@ -157,3 +158,13 @@ def make_input_processor(engine, tokenizer, tool_parser: str | None = None) -> I
                           eos_token_ids=engine.stop_checker.eos_token_ids, tool_parser=parser,
                           max_n=engine.config.max_n, max_num_seqs=engine.config.max_num_seqs,
                           sampling_defaults=defaults)
+
+
+PRIORITY_LIMIT = 2**31  # any 32-bit signed value a client may send
+
+
+def check_priority(priority: Any) -> None:
+    """A request's scheduling priority: an integer, lower first (engine/scheduler.py)."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -PRIORITY_LIMIT <= priority < PRIORITY_LIMIT:
+        raise InvalidRequestError(f"priority: expected an integer in [-2**31, 2**31), got {priority!r}",
+                                  field="priority")

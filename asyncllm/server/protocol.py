@@ -79,6 +79,7 @@ class _SamplingFields(_Request):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
+    priority: Optional[int] = None  # scheduling: lower first (AsyncLLM's ``priority`` keyword, not sampling)
 
     _passthrough: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "seed",
@@ -98,6 +99,8 @@ class _SamplingFields(_Request):
             kwargs["stop"] = self.stop
         if self.response_format is not None and self.response_format.type != "text":
             kwargs["json_schema"] = self.response_format.schema()
+        if self.priority is not None:  # binds to stream_outputs' own keyword, beside the sampling ones
+            kwargs["priority"] = self.priority
         return kwargs
 
 

@@ -45,7 +45,8 @@ def main(args: argparse.Namespace) -> None:
                        max_waiting_requests=args.max_waiting_requests, max_restarts=args.max_restarts,
                        kv_cache_memory=args.kv_cache_memory, tool_parser=getattr(args, "tool_parser", None),
                        revision=args.revision, quantization=args.quantization,
-                       generation_config=args.generation_config)
+                       generation_config=args.generation_config, max_itl_ms=args.max_itl_ms,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
     except AsyncLLMError as exc:  # a bad option value: say which, not a traceback
         raise SystemExit(f"asyncllm serve: {exc}") from None
     try:

@@ -1,0 +1,82 @@
+"""How much prefill may join a step's decodes: the stall-free policy (docs/async.md#smooth-streams).
+
+Every running stream decodes in every step, so a step's length is the gap its streams see between
+two tokens. A step that also carries a long prefill chunk freezes every stream for as long as the
+chunk takes; this module sizes the chunks so that the predicted step time (engine/step_time.py)
+stays within an inter-token latency target:
+
+- ``max_itl_ms="auto"`` (the AsyncLLM default): the target is ``AUTO_ITL_FACTOR`` times the predicted
+  time of the step's decodes alone, so prefills may at most triple the gap streams see. It follows
+  the load: a few streams decode fast and get small chunks beside them; at high concurrency the
+  decode step is long and carries proportionally more prefill.
+- ``max_itl_ms=<number>``: a fixed target in milliseconds.
+- ``max_itl_ms=None`` (the LLM default): no target; prefills take whatever token budget is left.
+
+Whatever the target, the first prefill of a step gets at least ``MIN_PREFILL_TOKENS`` tokens, so the
+head of the queue advances every step: no prompt starves, however busy the decodes keep the engine.
+A step without decodes has no stream to protect and takes the whole token budget.
+"""
+
+from __future__ import annotations
+
+from .step_time import StepTimeModel
+
+AUTO_ITL_FACTOR = 3.0
+MIN_PREFILL_TOKENS = 32
+
+
+class PrefillAllowance:
+    """The prefill one step may still take: tokens (the step's token budget) and, with a target,
+    seconds of predicted step time."""
+
+    def __init__(self, tokens: int, seconds: float | None = None, model: StepTimeModel | None = None,
+                 min_tokens: int = MIN_PREFILL_TOKENS) -> None:
+        self.tokens = tokens
+        self.seconds = seconds
+        self.model = model
+        self.min_tokens = min_tokens
+        self.granted_any = False
+
+    @property
+    def exhausted(self) -> bool:
+        return self.tokens <= 0 or (self.granted_any and self.seconds is not None and self.seconds <= 0)
+
+    def grant(self, context: int, wanted: int) -> int:
+        """How many of ``wanted`` prompt tokens (after ``context`` computed ones) this step takes."""
+        n = min(wanted, self.tokens)
+        if self.seconds is not None and n > 0:
+            fit = self.model.prefill_tokens_within(self.seconds, context)
+            if not self.granted_any:  # the head of the queue always advances
+                fit = max(fit, self.min_tokens)
+            n = min(n, fit)
+        return max(n, 0)
+
+    def spend(self, context: int, n: int) -> None:
+        """Record a chunk of ``n`` tokens (after ``context`` computed ones) as scheduled."""
+        self.tokens -= n
+        if self.seconds is not None:
+            self.seconds -= self.model.prefill_seconds(context, n)
+        self.granted_any = self.granted_any or n > 0
+
+
+class StepBudget:
+    """The policy: given the decodes already in a step, the allowance for its prefills."""
+
+    def __init__(self, model: StepTimeModel, max_itl_ms: float | str) -> None:
+        self.model = model
+        self.fixed_seconds = None if max_itl_ms == "auto" else float(max_itl_ms) / 1e3
+        self.last_target_seconds: float | None = None  # of the latest step that had decodes
+
+    def target_seconds(self, decode_rows: int, decode_context: int) -> float:
+        """The step time the prefills may fill up to, beside these decodes."""
+        if self.fixed_seconds is not None:
+            return self.fixed_seconds
+        return AUTO_ITL_FACTOR * self.model.decode_seconds(decode_rows, decode_context)
+
+    def allowance(self, tokens: int, decode_rows: int, decode_context: int) -> PrefillAllowance:
+        if decode_rows == 0 or not self.model.calibrated:
+            return PrefillAllowance(tokens)
+        target = self.target_seconds(decode_rows, decode_context)
+        self.last_target_seconds = target
+        left = target - self.model.decode_seconds(decode_rows, decode_context)
+        return PrefillAllowance(tokens, max(left, 0.0), self.model)

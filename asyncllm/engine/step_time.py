@@ -1,0 +1,215 @@
+"""How long an engine step takes, predicted from what it computes: the stall-free scheduler's model.
+
+A step's time is modelled as a linear function of four features of its batch:
+
+    t = c0 + c_token * tokens + c_context * decode_context + c_pair * prefill_pairs
+
+``tokens`` is every token the step computes (decode rows and prefill chunk tokens: they go through
+the same projections), ``decode_context`` the KV positions the decode rows read, and
+``prefill_pairs`` the causal query-key pairs of the prefill chunks (a chunk of ``n`` tokens after
+``p`` computed ones: ``n * (p + (n + 1) / 2)``). ``c0`` holds what does not grow with the batch
+(streaming the weights once at small batch, the per-step Python).
+
+The coefficients come from a few timed dummy steps when the engine starts (:func:`calibrate`), and
+are refitted every few steps from the steps the engine actually ran: a weighted least-squares fit
+over the latest steps plus the calibration points, whose residuals are relative (a 5 ms decode step
+counts as much as a 500 ms prefill), with coefficients kept non-negative.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ..model.runner import ModelRunner
+    from .scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+NUM_FEATURES = 4
+WINDOW_STEPS = 512       # the latest steps the online fit uses
+REFIT_EVERY = 16         # steps between refits
+CALIBRATION_WEIGHT = 4   # each calibration point counts as this many observed steps
+MIN_SECONDS = 1e-4       # relative residuals: no step is weighed as if it took less
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What one step computes, as the model sees it."""
+
+    tokens: int = 0
+    decode_context: int = 0
+    prefill_pairs: float = 0.0
+
+    def vector(self) -> np.ndarray:
+        return np.array([1.0, self.tokens, self.decode_context, self.prefill_pairs])
+
+    @classmethod
+    def of_batch(cls, batch: "ScheduledBatch") -> "StepFeatures":
+        """The features of a scheduled batch (read before the step advances its sequences)."""
+        tokens = context = 0
+        pairs = 0.0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            tokens += n
+            done = seq.num_computed_tokens
+            if n == 1:
+                context += done + 1
+            else:
+                pairs += prefill_pairs(done, n)
+        return cls(tokens, context, pairs)
+
+
+def prefill_pairs(context: int, n: int) -> float:
+    """Causal query-key pairs of a chunk of ``n`` tokens after ``context`` computed ones."""
+    return n * (context + (n + 1) / 2)
+
+
+class StepTimeModel:
+    """Predicts a step's seconds from its :class:`StepFeatures`; learns from the steps it is shown."""
+
+    def __init__(self, coefficients: np.ndarray | None = None) -> None:
+        self.coefficients = (np.zeros(NUM_FEATURES) if coefficients is None
+                             else np.maximum(np.asarray(coefficients, dtype=float), 0.0))
+        self._prior: list[tuple[np.ndarray, float]] = []
+        self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=WINDOW_STEPS)
+        self._since_fit = 0
+        self.num_observed = 0
+
+    @property
+    def calibrated(self) -> bool:
+        return self.coefficients[1] > 0.0
+
+    def predict(self, features: StepFeatures) -> float:
+        return float(features.vector() @ self.coefficients)
+
+    def decode_seconds(self, rows: int, context: int) -> float:
+        """A decode-only step of ``rows`` sequences reading ``context`` KV positions in all."""
+        c = self.coefficients
+        return c[0] + c[1] * rows + c[2] * context
+
+    def prefill_seconds(self, context: int, n: int) -> float:
+        """What a prefill chunk of ``n`` tokens after ``context`` computed ones adds to a step."""
+        c = self.coefficients
+        return c[1] * n + c[3] * prefill_pairs(context, n)
+
+    def prefill_tokens_within(self, seconds: float, context: int) -> int:
+        """The longest chunk (after ``context`` computed tokens) that adds at most ``seconds``."""
+        if seconds <= 0:
+            return 0
+        c_token, c_pair = self.coefficients[1], self.coefficients[3]
+        # c_pair/2 * n^2 + (c_token + c_pair * (context + 1/2)) * n <= seconds
+        a, b = c_pair / 2, c_token + c_pair * (context + 0.5)
+        if a <= 0:
+            return int(seconds / b) if b > 0 else 1 << 30
+        return int((-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a))
+
+    def calibrate_with(self, points: list[tuple[StepFeatures, float]]) -> None:
+        """Set the start-up measurements; they stay in every later fit (as its prior)."""
+        self._prior = [(f.vector(), seconds) for f, seconds in points]
+        self._fit()
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        """Record a step that ran; every ``REFIT_EVERY`` steps the coefficients are refitted."""
+        self._window.append((features.vector(), seconds))
+        self.num_observed += 1
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY:
+            self._fit()
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        rows = [(x, y, CALIBRATION_WEIGHT) for x, y in self._prior] + [(x, y, 1) for x, y in self._window]
+        if not rows:
+            return
+        x = np.array([r[0] for r in rows])
+        y = np.array([r[1] for r in rows])
+        # relative residuals (divide each row by its time), and the calibration points weighed more
+        w = np.sqrt(np.array([r[2] for r in rows])) / np.maximum(y, MIN_SECONDS)
+        fitted = _nonnegative_lstsq(x * w[:, None], y * w)
+        if fitted[1] > 0:  # a fit that prices tokens at nothing has seen too little: keep the old one
+            self.coefficients = fitted
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: columns whose coefficient comes out negative are
+    dropped and the rest refitted (four columns: a few passes at most). Columns that are zero in
+    every row (a feature the data never exercised) get zero."""
+    active = [j for j in range(a.shape[1]) if np.any(a[:, j])]
+    coef = np.zeros(a.shape[1])
+    while active:
+        # scale columns to unit norm: the features differ by orders of magnitude
+        sub = a[:, active]
+        norms = np.linalg.norm(sub, axis=0)
+        solution = np.linalg.lstsq(sub / norms, b, rcond=None)[0] / norms
+        if np.all(solution >= 0):
+            coef[active] = solution
+            return coef
+        active = [j for j, v in zip(active, solution) if v >= 0] if np.any(solution > 0) else []
+    return coef
+
+
+# ---- start-up calibration --------------------------------------------------------------------------
+
+def calibration_steps(max_tokens: int, num_blocks: int, block_size: int, max_seqs: int, max_model_len: int
+                      ) -> list[tuple[list[int], list[int]]]:
+    """The dummy steps timed at start-up, each as (start positions, new tokens per sequence): decode
+    at one and a few rows, decode over a longer context, and two prefill lengths. Capped by the token
+    budget, the context length and the KV blocks there are, so any engine can run them."""
+    slots = min(num_blocks * block_size, max_model_len)
+    long_context = max(0, min(256, slots - 1))
+    rows = max(1, min(4, max_seqs, num_blocks // 2))
+    chunks = sorted({max(1, min(n, max_tokens, slots)) for n in (32, 128)})
+    steps = [([0], [1]), ([0] * rows, [1] * rows), ([long_context], [1])]
+    steps += [([0], [n]) for n in chunks if n > 1]
+    return steps
+
+
+def calibrate(model: StepTimeModel, runner: "ModelRunner", max_tokens: int, max_seqs: int, max_model_len: int,
+              repeats: int = 2) -> None:
+    """Time a few dummy steps on ``runner`` (fastest of ``repeats`` runs each) and fit ``model``.
+
+    The steps write KV into blocks that no sequence holds yet (the engine has not started), so
+    nothing is disturbed: a block's slots are always written before they are read."""
+    from .step_input import StepInput
+
+    block_size, num_blocks = runner.block_size, runner.num_blocks
+    points = []
+    for starts, lengths in calibration_steps(max_tokens, num_blocks, block_size, max_seqs, max_model_len):
+        tables, next_block = [], 0
+        for start, n in zip(starts, lengths):
+            count = -(-(start + n) // block_size)
+            if next_block + count > num_blocks:  # rows share blocks when the pool is tiny
+                next_block = 0
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        tokens = [1] * sum(lengths)
+        logit_rows, flat = [], 0
+        for n in lengths:
+            flat += n
+            logit_rows.append(flat - 1)
+        step = StepInput(token_ids=tokens, start_positions=list(starts), num_new_tokens=list(lengths),
+                         block_tables=tables, logit_rows=logit_rows, loras=[None] * len(lengths))
+        best = math.inf
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            logits = runner.execute(step)
+            logits.argmax(dim=-1).tolist()  # the step's end: the sampler reads the logits back
+            best = min(best, time.perf_counter() - begin)
+        context = sum(s + 1 for s, n in zip(starts, lengths) if n == 1)
+        pairs = sum(prefill_pairs(s, n) for s, n in zip(starts, lengths) if n > 1)
+        points.append((StepFeatures(sum(lengths), context, pairs), best))
+    model.calibrate_with(points)
+    logger.info("step time model: %s", describe(model))
+
+
+def describe(model: StepTimeModel) -> str:
+    c = model.coefficients
+    return (f"{1e3 * c[0]:.2f} ms per step + {1e6 * c[1]:.1f} us per token + {1e9 * c[2]:.1f} ns per decode "
+            f"context position + {1e9 * c[3]:.2f} ns per prefill query-key pair")

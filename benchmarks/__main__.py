@@ -27,7 +27,7 @@ from typing import Any
 from benchmarks.measure import write_report
 
 HERE = Path(__file__).resolve().parent
-WORKLOADS = ("w_cpu", "w_prefix", "w_latency", "w_lora", "w_scale", "w_json", "w_gpu")
+WORKLOADS = ("w_cpu", "w_prefix", "w_latency", "w_lora", "w_scale", "w_stream", "w_json", "w_gpu")
 OPTIONAL = ("w_json", "w_gpu")       # written by others: run when the module exists
 # Sizes for modules without a SIZES dict of their own.
 DEFAULT_SIZES = {

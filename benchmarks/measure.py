@@ -273,6 +273,16 @@ def write_report(path: str | os.PathLike | None, report: dict[str, Any]) -> None
     Path(path).write_text(json.dumps(portable(report), indent=2, default=str) + "\n")
 
 
+def finish_report(report: dict[str, Any], model_dir: str, load_start: list[float] | None, json_path: str | None,
+                  printer: Any) -> dict[str, Any]:
+    """The common end of a workload's ``main``: the model and machine records, the table, the JSON."""
+    report["model"] = {"dir": model_dir, "config": model_config(model_dir), "dtype": "float32"}
+    report["machine"] = machine_record(load_start)
+    printer(report)
+    write_report(json_path, report)
+    return report
+
+
 def fmt_ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 

@@ -121,6 +121,25 @@ def plot_w_scale(report: dict[str, Any], plt) -> Any:
     return fig
 
 
+def plot_w_stream(report: dict[str, Any], plt) -> Any:
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    levels = report["levels"]
+    groups = [f"{level['concurrency']} streams" for level in levels]
+    modes = list(levels[0]["runs"])
+    itl = {f"{mode} {q}": [level["runs"][mode]["itl_ms"][q] for level in levels] for mode in modes
+           for q in ("p50", "p99", "max")}
+    _paired(axes[0], groups, itl, "inter-token latency (ms)", log=True)
+    axes[0].set_title("W-STREAM inter-token latency")
+    ttft = {f"{mode} {q}": [level["runs"][mode]["ttft_ms"][q] for level in levels] for mode in modes
+            for q in ("p50", "p99")}
+    _paired(axes[1], groups, ttft, "time to first token (ms)", log=True)
+    axes[1].set_title("W-STREAM time to first token")
+    _paired(axes[2], groups, {mode: [level["runs"][mode]["tokens_per_s"] for level in levels] for mode in modes},
+            "output tokens/s")
+    axes[2].set_title("W-STREAM throughput")
+    return fig
+
+
 def plot_w_json(report: dict[str, Any], plt) -> Any:
     rates = report.get("throughput_tok_s")
     if not isinstance(rates, dict):
@@ -163,7 +182,7 @@ def plot_generic(report: dict[str, Any], plt) -> Any | None:
 
 PLOTTERS: dict[str, Callable[[dict[str, Any], Any], Any]] = {
     "w_cpu": plot_w_cpu, "w_prefix": plot_w_prefix, "w_latency": plot_w_latency, "w_lora": plot_w_lora,
-    "w_scale": plot_w_scale, "w_json": plot_w_json,
+    "w_scale": plot_w_scale, "w_json": plot_w_json, "w_stream": plot_w_stream,
 }
 
 

@@ -85,6 +85,19 @@ def table_w_scale(r: dict[str, Any]) -> str:
                    "KV utilization", "worst step"], rows)
 
 
+def table_w_stream(r: dict[str, Any]) -> str:
+    rows = []
+    for level in r["levels"]:
+        for mode, x in level["runs"].items():
+            rows.append([str(level["concurrency"]), mode, f"{x['tokens_per_s']:.1f}", _ms(x["ttft_ms"], "p50"),
+                         _ms(x["ttft_ms"], "p99"), _ms(x["itl_ms"], "p50"), _ms(x["itl_ms"], "p99"),
+                         _ms(x["itl_ms"], "max"), f"{x['itl_p99_over_p50']:.2f}"])
+    checks = "; ".join(f"{level['concurrency']} streams: tokens/s x{level['comparison']['throughput_ratio']:.3f}, "
+                       f"TTFT p99 x{level['comparison']['ttft_p99_ratio']:.2f}" for level in r["levels"])
+    return _table(["streams", "policy", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                   "ITL max ms", "ITL p99/p50"], rows) + f"\n\nStall-free against throughput mode: {checks}."
+
+
 def table_w_json(r: dict[str, Any]) -> str:
     rates = r.get("throughput_tok_s") or {}
     rows = [[name, f"{v:.1f}"] for name, v in rates.items()]
@@ -96,7 +109,7 @@ def table_w_json(r: dict[str, Any]) -> str:
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "w_cpu": table_w_cpu, "w_prefix": table_w_prefix, "w_latency": table_w_latency, "w_lora": table_w_lora,
-    "w_scale": table_w_scale, "w_json": table_w_json,
+    "w_scale": table_w_scale, "w_json": table_w_json, "w_stream": table_w_stream,
 }
 
 

@@ -26,9 +26,8 @@ from typing import Any
 
 from benchmarks.common import Request, Workload, _scaled, build_cpu_llama
 from benchmarks.measure import (
-    MEMORY_METHOD, MemoryMeter, RunResult, fmt_ms, latency_report, loadavg, model_config, split_latencies,
-    machine_record,
-    summarize_ms, utc_now, write_report,
+    MEMORY_METHOD, MemoryMeter, RunResult, finish_report, fmt_ms, latency_report, loadavg, model_config,
+    split_latencies, summarize_ms, utc_now,
 )
 
 MODES = {"prefix-cache": True, "no-cache": False}
@@ -184,11 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["warmup"] = "one request with the shared prefix (own suffix, 1 output token) per engine, both modes"
     report["latency_measurement"] = LATENCY_METHOD
     report["memory_measurement"] = MEMORY_METHOD
-    report["model"] = {"dir": model_dir, "config": model_config(model_dir), "dtype": "float32"}
-    report["machine"] = machine_record(load_start)
-    print_table(report)
-    write_report(args.json, report)
-    return report
+    return finish_report(report, model_dir, load_start, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,7 @@ from typing import Any
 
 from benchmarks.common import Workload, build_cpu_llama, w_cpu_workload
 from benchmarks.measure import (
-    StepRecorder, fmt_ms, loadavg, model_config, reset_prefix_cache, summarize_ms, utc_now, write_report,
-    machine_record,
+    StepRecorder, finish_report, fmt_ms, loadavg, model_config, reset_prefix_cache, summarize_ms, utc_now,
 )
 
 DEFAULT_LEVELS = (1, 4, 16, 64)
@@ -129,11 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                                      else argv)}
     report.update(asyncio.run(measure(model_dir, levels, args.scale, args.min_requests, not args.no_progress)))
     report["measurement"] = __doc__.split("\n\n")[2].replace("\n", " ")
-    report["model"] = {"dir": model_dir, "config": model_config(model_dir), "dtype": "float32"}
-    report["machine"] = machine_record(load_start)
-    print_table(report)
-    write_report(args.json, report)
-    return report
+    return finish_report(report, model_dir, load_start, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from benchmarks.measure import (  # noqa: E402
 )
 from benchmarks.w_prefix import prefix_workload  # noqa: E402
 
-MINE = ("w_cpu", "w_prefix", "w_latency", "w_lora", "w_scale")
+MINE = ("w_cpu", "w_prefix", "w_latency", "w_lora", "w_scale", "w_stream")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -56,7 +56,7 @@ def test_runner_summary_tables_and_plots(suite):
         assert str(png) in summary["plots"]  # outside the checkout: as given
         assert summary["workloads"][name]["json"] == f"{name}.json"
     tables = (results / "summary.md").read_text()
-    for title in ("W-CPU", "W-PREFIX", "W-LATENCY", "W-LORA", "W-SCALE"):
+    for title in ("W-CPU", "W-PREFIX", "W-LATENCY", "W-LORA", "W-SCALE", "W-STREAM"):
         assert f"### {title}\n" in tables
 
 
@@ -163,6 +163,33 @@ def test_w_scale_levels(suite):
         assert level["tokens_per_s"] == pytest.approx(level["output_tokens"] / level["wall_s"])
         kv = level["kv_utilization"]
         assert kv["samples"] > 0 and 0 < kv["min"] <= kv["mean"] <= 1 and 0 < kv["weighted"] <= 1
+
+
+def test_w_stream_levels(suite):
+    from benchmarks.w_stream import stream_workload
+
+    r = suite["reports"]["w_stream"]
+    assert [x["concurrency"] for x in r["levels"]] == [2, 4]
+    for level in r["levels"]:
+        workload = stream_workload(_vocab(suite["model_dir"]), level["concurrency"], 0.05, seed=level["concurrency"])
+        assert level["requests"] == len(workload.requests) == level["concurrency"]
+        lo, hi = level["workload"]["prompt_len_range"]
+        assert all(lo <= req.prompt_len <= hi for req in workload.requests)
+        runs = level["runs"]
+        assert set(runs) == {"throughput", "stall-free"}
+        for mode, x in runs.items():
+            assert x["runs"] == 2 and x["requests"] == 2 * len(workload.requests)
+            assert x["generated_tokens"] == 2 * workload.output_tokens  # ignore_eos: every token arrives
+            assert x["tokens_per_s"] == pytest.approx(x["generated_tokens"] / x["wall_s"], rel=1e-3)
+            assert x["ttft_ms"]["count"] == x["requests"]
+            assert x["itl_ms"]["p50"] <= x["itl_ms"]["p99"] <= x["itl_ms"]["max"]
+        # only the policy's engine learns from its steps
+        assert runs["throughput"]["step_time_model"] == {"steps": 0}
+        assert runs["stall-free"]["step_time_model"]["steps"] > 0
+        c = level["comparison"]
+        assert c["throughput_ratio"] == pytest.approx(runs["stall-free"]["tokens_per_s"] /
+                                                      runs["throughput"]["tokens_per_s"], abs=1e-3)
+    assert "per token" in r["step_time_model"]
 
 
 def test_measure_helpers():

@@ -141,7 +141,7 @@ def test_decodes_go_first_and_the_prefill_chunk_fills_the_target():
     assert model.predict(StepFeatures.of_batch(batch)) == pytest.approx(decode_s + model.prefill_seconds(0, chunk))
 
 
-def test_auto_target_is_a_multiple_of_the_decode_step():
+def test_auto_target_is_a_multiple_of_the_decode_step_of_the_whole_load():
     scheduler = _scheduler("auto")
     decoders = [_seq(f"d{i}", 50) for i in range(32)]
     _decoding(scheduler, *decoders)
@@ -149,10 +149,24 @@ def test_auto_target_is_a_multiple_of_the_decode_step():
     batch = scheduler.schedule()
     model = scheduler.step_budget.model
     decode_s = model.decode_seconds(32, 32 * 51)
+    # the reference step counts the waiting request as one more decoding row with its context
+    target = AUTO_ITL_FACTOR * model.decode_seconds(33, 32 * 51 + 5000)
+    assert scheduler.step_budget.last_target_seconds == pytest.approx(target)
     predicted = model.predict(StepFeatures.of_batch(batch))
-    assert predicted <= AUTO_ITL_FACTOR * decode_s * (1 + 1e-9)
-    assert predicted > 0.9 * AUTO_ITL_FACTOR * decode_s  # filled, not left empty
-    assert scheduler.step_budget.last_target_seconds == pytest.approx(AUTO_ITL_FACTOR * decode_s)
+    assert 0.9 * target < predicted <= target * (1 + 1e-9)  # filled, not left empty
+    assert predicted > AUTO_ITL_FACTOR * decode_s  # more room than the decoding rows alone would give
+
+
+def test_a_deep_queue_widens_the_auto_target_up_to_max_num_seqs():
+    def first_chunk(waiting: int, max_seqs: int) -> int:
+        scheduler = _scheduler("auto", max_seqs=max_seqs)
+        _decoding(scheduler, *[_seq(f"d{i}", 50) for i in range(4)])
+        for i in range(waiting):
+            scheduler.add(_seq(f"w{i}", 300))
+        return scheduler.schedule().num_new_tokens[4]
+
+    assert first_chunk(1, 64) < first_chunk(20, 64) < first_chunk(50, 64)
+    assert first_chunk(20, 8) == first_chunk(50, 8)  # only max_num_seqs can ever decode together
 
 
 def test_without_decodes_or_target_prefills_take_the_whole_budget():
@@ -192,8 +206,10 @@ def test_waiting_queue_orders_by_priority_then_arrival():
     for seq in seqs:
         scheduler.add(seq)
     assert [s.request_id for s in scheduler.waiting] == ["urgent", "urgent-2", "normal-1", "normal-2", "late-low"]
+    assert scheduler.waiting.num_tokens == sum(seq.num_tokens for seq in seqs)
     scheduler.finish(seqs[2])
     assert len(scheduler.waiting) == 4 and seqs[2] not in scheduler.waiting
+    assert scheduler.waiting.num_tokens == sum(seq.num_tokens for seq in seqs) - seqs[2].num_tokens
     batch = scheduler.schedule()
     assert [s.request_id for s in batch.seqs] == ["urgent", "urgent-2", "normal-2", "late-low"]
 

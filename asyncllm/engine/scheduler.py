@@ -61,12 +61,15 @@ class WaitingQueue:
     def __init__(self) -> None:
         self._levels: dict[int, OrderedDict[Sequence, None]] = {}
         self._order: list[int] = []  # the priorities present, sorted
+        self.num_tokens = 0  # of every waiting sequence (they do not change while waiting)
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         level = self._levels.get(seq.priority)
         if level is None:
             level = self._levels[seq.priority] = OrderedDict()
             bisect.insort(self._order, seq.priority)
+        if seq not in level:
+            self.num_tokens += seq.num_tokens
         level[seq] = None
         if front:  # a preempted sequence is recomputed before its priority's newcomers
             level.move_to_end(seq, last=False)
@@ -76,6 +79,7 @@ class WaitingQueue:
         if level is None or seq not in level:
             return
         del level[seq]
+        self.num_tokens -= seq.num_tokens
         if not level:
             del self._levels[seq.priority]
             self._order.remove(seq.priority)
@@ -145,7 +149,15 @@ class Scheduler:
         tokens = self.max_num_batched_tokens - batch.total_tokens
         if self.step_budget is None:
             return PrefillAllowance(tokens)
-        return self.step_budget.allowance(tokens, len(batch), decode_context)
+        # the sequences that will decode once their prompts are in: running prefills, then the queue
+        prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        pending_rows = len(prefilling) + len(self.waiting)
+        pending_context = sum(seq.num_tokens for seq in prefilling) + self.waiting.num_tokens
+        room = max(self.max_num_seqs - len(batch), 0)
+        if pending_rows > room:  # only max_num_seqs can decode at once
+            pending_context = pending_context * room // pending_rows
+            pending_rows = room
+        return self.step_budget.allowance(tokens, len(batch), decode_context, pending_rows, pending_context)
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> bool:
         """Every running sequence one token from its next sample, within the token budget; returns

@@ -6,9 +6,12 @@ chunk takes; this module sizes the chunks so that the predicted step time (engin
 stays within an inter-token latency target:
 
 - ``max_itl_ms="auto"`` (the AsyncLLM default): the target is ``AUTO_ITL_FACTOR`` times the predicted
-  time of the step's decodes alone, so prefills may at most triple the gap streams see. It follows
-  the load: a few streams decode fast and get small chunks beside them; at high concurrency the
-  decode step is long and carries proportionally more prefill.
+  decode step of the engine's load: every request in it (decoding, prefilling or waiting, up to
+  ``max_num_seqs``) counted as a decoding row with its context. That is the gap streams will see once
+  the queue is in, so a step with prefill lasts at most about three of them. It follows the load: a
+  few streams decode fast and get small chunks beside them; at high concurrency the decode step is
+  long and carries proportionally more prefill. Counting the queue matters: were the reference only
+  the rows decoding now, a backlog (few decoding yet) would shrink the chunks that drain it.
 - ``max_itl_ms=<number>``: a fixed target in milliseconds.
 - ``max_itl_ms=None`` (the LLM default): no target; prefills take whatever token budget is left.
 
@@ -67,16 +70,20 @@ class StepBudget:
         self.fixed_seconds = None if max_itl_ms == "auto" else float(max_itl_ms) / 1e3
         self.last_target_seconds: float | None = None  # of the latest step that had decodes
 
-    def target_seconds(self, decode_rows: int, decode_context: int) -> float:
-        """The step time the prefills may fill up to, beside these decodes."""
+    def target_seconds(self, rows: int, context: int) -> float:
+        """The step time the prefills may fill up to, for a load of ``rows`` sequences holding
+        ``context`` tokens in all (decoding now, and to decode once their prompts are in)."""
         if self.fixed_seconds is not None:
             return self.fixed_seconds
-        return AUTO_ITL_FACTOR * self.model.decode_seconds(decode_rows, decode_context)
+        return AUTO_ITL_FACTOR * self.model.decode_seconds(rows, context)
 
-    def allowance(self, tokens: int, decode_rows: int, decode_context: int) -> PrefillAllowance:
+    def allowance(self, tokens: int, decode_rows: int, decode_context: int, pending_rows: int = 0,
+                  pending_context: int = 0) -> PrefillAllowance:
+        """What prefill may join ``decode_rows`` decodes reading ``decode_context`` positions, with
+        ``pending_rows`` more sequences (``pending_context`` tokens) waiting to decode."""
         if decode_rows == 0 or not self.model.calibrated:
             return PrefillAllowance(tokens)
-        target = self.target_seconds(decode_rows, decode_context)
+        target = self.target_seconds(decode_rows + pending_rows, decode_context + pending_context)
         self.last_target_seconds = target
         left = target - self.model.decode_seconds(decode_rows, decode_context)
         return PrefillAllowance(tokens, max(left, 0.0), self.model)

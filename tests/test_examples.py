@@ -129,3 +129,13 @@ def test_real_checkpoints_example(model_dirs):
     result = asyncio.run(module.run(str(model_dirs["llama"]), quantization="int8", max_tokens=4))
     assert result["int8"] and result["source"] == "directory"
     assert set(result["answers"]) == set(module.QUESTIONS)
+
+
+def test_smooth_streams_example(model_dirs):
+    report = asyncio.run(_load("smooth_streams").run(str(model_dirs["llama"])))
+    # without a target a whole 401-token prompt rides beside the decodes; with one, never more
+    assert report["target off"]["largest chunk beside decodes"] == 401
+    assert 0 < report["target on"]["largest chunk beside decodes"] <= 401
+    order = report["finishing order"]
+    assert order[0] == "interactive" and sorted(order[1:3]) == ["batch-0", "batch-1"]
+    assert order[3] != "(preemptions: 0)"

@@ -140,7 +140,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": len(runs),
         "requests": sum(r["requests"] for r in runs),
         "generated_tokens": generated,
-        "wall_s": round(wall, 3),
+        "wall_s": round(wall, 6),
         "tokens_per_s": generated / wall,
         "tokens_per_s_each_run": [round(r["generated_tokens"] / r["wall_s"], 1) for r in runs],
         "ttft_ms": ttft,

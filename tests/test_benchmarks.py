@@ -180,7 +180,7 @@ def test_w_stream_levels(suite):
         for mode, x in runs.items():
             assert x["runs"] == 2 and x["requests"] == 2 * len(workload.requests)
             assert x["generated_tokens"] == 2 * workload.output_tokens  # ignore_eos: every token arrives
-            assert x["tokens_per_s"] == pytest.approx(x["generated_tokens"] / x["wall_s"], rel=1e-2)  # wall_s: ms
+            assert x["tokens_per_s"] == pytest.approx(x["generated_tokens"] / x["wall_s"], rel=1e-3)
             assert x["ttft_ms"]["count"] == x["requests"]
             assert x["itl_ms"]["p50"] <= x["itl_ms"]["p99"] <= x["itl_ms"]["max"]
         # only the policy's engine learns from its steps

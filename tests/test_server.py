@@ -240,7 +240,8 @@ def test_metrics_parse_and_move_with_traffic(app):
     for name in ("asyncllm:num_requests_running", "asyncllm:num_requests_waiting", "asyncllm:kv_cache_usage_perc",
                  "asyncllm:num_preemptions_total", "asyncllm:lora_adapters_loaded"):
         assert name in before
-    response = request(app, "POST", "/v1/completions", json={"prompt": "The cat", "max_tokens": 6,
+    # 32 tokens: enough that some arrive after the first even when a loaded machine delays the consumer
+    response = request(app, "POST", "/v1/completions", json={"prompt": "The cat", "max_tokens": 32,
                                                              "ignore_eos": True, "n": 2})
     usage = response.json()["usage"]
     after = _scrape(app)
@@ -249,13 +250,13 @@ def test_metrics_parse_and_move_with_traffic(app):
         return after.get(key, 0) - before.get(key, 0)
 
     assert moved("asyncllm:prompt_tokens_total") == usage["prompt_tokens"]
-    assert moved("asyncllm:generation_tokens_total") == 12
+    assert moved("asyncllm:generation_tokens_total") == 64
     assert moved("asyncllm:request_success_total|finished_reason=length") == 2
     assert moved("asyncllm:prefix_cache_queries_total") >= usage["prompt_tokens"]
     assert moved("asyncllm:time_to_first_token_seconds_count") == 1
     assert moved("asyncllm:e2e_request_latency_seconds_count") == 1
     # one gap per token after the first, except tokens that arrived together with the first one
-    assert 1 <= moved("asyncllm:inter_token_latency_seconds_count") <= 5
+    assert 1 <= moved("asyncllm:inter_token_latency_seconds_count") <= 31
     assert after["asyncllm:num_requests_running"] == 0 and after["asyncllm:kv_cache_usage_perc"] == 0
 
 

@@ -258,6 +258,7 @@ def test_metrics_parse_and_move_with_traffic(app):
     # one gap per token after the first, except tokens that arrived together with the first one
     assert 1 <= moved("asyncllm:inter_token_latency_seconds_count") <= 31
     assert after["asyncllm:num_requests_running"] == 0 and after["asyncllm:kv_cache_usage_perc"] == 0
+    assert after["asyncllm:itl_target_seconds"] == app.state.asyncllm.llm.stats()["itl_target_ms"] / 1000 > 0
 
 
 def test_two_apps_keep_separate_registries(llm):

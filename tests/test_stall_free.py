@@ -258,18 +258,24 @@ def test_greedy_output_is_unchanged_by_small_prefill_chunks(llama_dir):
     # decoding steps carried prefill chunks of the minimum size beside their decodes
     assert any(1 in shape and MIN_PREFILL_TOKENS in shape for shape in shapes)
     assert llm.engine.step_time.num_observed == len([s for s in shapes if s])
+    assert llm.stats()["itl_target_ms"] == 0  # a fixed 0.001 ms target rounds to nothing
     assert llm.stats()["kv_blocks_used"] == 0
 
 
 def test_throughput_mode_is_the_llm_default_and_auto_the_async_default(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32")
     assert llm.engine.scheduler.step_budget is None and not llm.engine.step_time.calibrated
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    assert llm.stats()["itl_target_ms"] == 0
 
     async def main():
         async with AsyncLLM(str(llama_dir), dtype="float32") as allm:
             budget = allm.engine.scheduler.step_budget
             assert budget is not None and budget.fixed_seconds is None and allm.engine.step_time.calibrated
-            return await allm.generate([5, 6, 7], temperature=0, max_tokens=4, ignore_eos=True)
+            out = await allm.generate([5, 6, 7], temperature=0, max_tokens=4, ignore_eos=True)
+            target = budget.last_target_seconds
+            assert target is not None and allm.stats()["itl_target_ms"] == round(1000 * target)
+            return out
 
     assert len(asyncio.run(main()).outputs[0].token_ids) == 4
 

@@ -136,7 +136,15 @@ class EngineCore:
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "loras_in_use": len(self.scheduler.loras_in_use()),
+            "itl_target_ms": self._itl_target_ms(),
         }
+
+    def _itl_target_ms(self) -> int:
+        """The stall-free policy's target of the latest step that had decodes (0: none yet, or no policy)."""
+        budget = self.scheduler.step_budget
+        if budget is None or budget.last_target_seconds is None:
+            return 0
+        return round(1000 * budget.last_target_seconds)
 
     def apply_pending(self) -> list[SequenceOutput]:
         """Apply queued requests, aborts and stops now, without running the model."""

@@ -53,6 +53,8 @@ class _EngineCollector(Collector):
                             stats.get("num_preemptions", 0))
         yield self._gauge("lora_adapters_loaded", "LoRA adapters registered with the engine.",
                           len(self.llm.list_loras()))
+        yield self._gauge("itl_target_seconds", "Inter-token latency target of the latest step with decodes "
+                          "(the stall-free policy; 0 without one).", stats.get("itl_target_ms", 0) / 1000)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"asyncllm:{name}", doc, labels=["model_name"])

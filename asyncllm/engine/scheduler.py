@@ -130,11 +130,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        self._preempted_this_step: set[Sequence] = set()
-        preempted = self._schedule_decodes(batch)
-        context = sum(seq.num_computed_tokens + 1 for seq in batch.seqs)  # KV positions the decodes read
-        allowance = self._prefill_allowance(batch, context)
-        preempted = self._schedule_running_prefills(batch, allowance) or preempted
+        self._preempted_this_step = set()
+        preempted, prefilling = self._schedule_decodes(batch)
+        allowance = self._prefill_allowance(batch, prefilling)
+        preempted = self._schedule_running_prefills(batch, prefilling, allowance) or preempted
         if not preempted:  # a pool that just ran dry admits nobody new this step
             self._schedule_waiting(batch, allowance)
         batch.block_copies = self.kv.pending_copies
@@ -145,12 +144,14 @@ class Scheduler:
     def loras_in_use(self) -> set[int]:
         return {seq.lora_id for seq in self.running if seq.lora_id is not None}
 
-    def _prefill_allowance(self, batch: ScheduledBatch, decode_context: int) -> PrefillAllowance:
+    def _prefill_allowance(self, batch: ScheduledBatch, prefilling: list[Sequence]) -> PrefillAllowance:
+        """What prefill may join the decodes in ``batch``; ``prefilling``: running sequences still
+        computing their prompts."""
         tokens = self.max_num_batched_tokens - batch.total_tokens
         if self.step_budget is None:
             return PrefillAllowance(tokens)
+        decode_context = sum(seq.num_computed_tokens + 1 for seq in batch.seqs)  # KV positions the decodes read
         # the sequences that will decode once their prompts are in: running prefills, then the queue
-        prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
         pending_rows = len(prefilling) + len(self.waiting)
         pending_context = sum(seq.num_tokens for seq in prefilling) + self.waiting.num_tokens
         room = max(self.max_num_seqs - len(batch), 0)
@@ -159,28 +160,33 @@ class Scheduler:
             pending_rows = room
         return self.step_budget.allowance(tokens, len(batch), decode_context, pending_rows, pending_context)
 
-    def _schedule_decodes(self, batch: ScheduledBatch) -> bool:
-        """Every running sequence one token from its next sample, within the token budget; returns
-        whether the pool ran dry."""
+    def _schedule_decodes(self, batch: ScheduledBatch) -> tuple[bool, list[Sequence]]:
+        """Every running sequence one token from its next sample, within the token budget (one pass
+        over the running set); returns whether the pool ran dry, and the running sequences still
+        computing their prompts, in admission order."""
         preempted = False
+        prefilling = []
         for seq in list(self.running):
-            if len(batch) >= self.max_num_batched_tokens:
-                break
-            if seq not in self.running or seq.num_tokens - seq.num_computed_tokens != 1:
-                continue  # preempted to make room for an earlier one, or a prefill (scheduled next)
-            if self._allocate_running(seq, 1, batch):
-                batch.add(seq, 1)
-            else:
-                preempted = True
-        return preempted
+            if seq not in self.running:  # preempted to make room for an earlier one
+                continue
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining > 1:
+                prefilling.append(seq)
+            elif remaining == 1 and len(batch) < self.max_num_batched_tokens:
+                if self._allocate_running(seq, 1, batch):
+                    batch.add(seq, 1)
+                else:
+                    preempted = True
+        return preempted, prefilling
 
-    def _schedule_running_prefills(self, batch: ScheduledBatch, allowance: PrefillAllowance) -> bool:
+    def _schedule_running_prefills(self, batch: ScheduledBatch, prefilling: list[Sequence],
+                                   allowance: PrefillAllowance) -> bool:
         """The next chunk of every running sequence still computing its prompt (or recomputing)."""
         preempted = False
-        for seq in list(self.running):
+        for seq in prefilling:
             if allowance.exhausted:
                 break
-            if seq not in self.running or seq.num_tokens - seq.num_computed_tokens <= 1:
+            if seq not in self.running:  # preempted for a decode or an earlier chunk
                 continue
             context = seq.num_computed_tokens
             num_new = allowance.grant(context, seq.num_tokens - context)

@@ -5,11 +5,11 @@ from .errors import (AsyncLLMError, EngineDeadError, EngineOverloadedError, Inva
                      RequestFailedError, RequestTimeoutError)
 from .llm import LLM
 from .lora_request import LoRARequest
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from .outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import BeamSearchParams, SamplingParams
 from .tools.calls import ToolCall
 
-__all__ = ["AsyncLLM", "LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "RequestMetrics",
+__all__ = ["AsyncLLM", "LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "RequestOutput", "CompletionOutput", "RequestMetrics",
            "ToolCall", "AsyncLLMError", "InvalidRequestError", "EngineDeadError", "LoRAError", "EngineOverloadedError",
            "RequestTimeoutError", "RequestFailedError"]
 __version__ = "0.1.0"

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="inter-token latency target that sizes prefill chunks beside running streams: "
                             "'auto' (3x the decode step, the default), a number of milliseconds, or 'none' "
                             "(throughput mode)")
+    serve.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                            "(docs/decoding.md)")
     serve.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
                        help="bytes of KV cache (default: a share of free memory; see docs/api.md)")
     serve.add_argument("--max-n", type=int, default=128, help="the largest n a request may ask for (default 128)")

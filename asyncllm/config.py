@@ -38,6 +38,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
     enable_cuda_graphs: bool = True    # CUDA + Triton only: replay decode steps as CUDA graphs (docs/kernels.md)
+    speculative_config: dict | str | None = None  # speculative decoding (engine/speculation.py, docs/decoding.md)
     seed: int = 0
 
     @classmethod
@@ -80,5 +81,7 @@ class EngineConfig:
             raise ConfigError(f"skip_tokenizer_init must be True or False, got {self.skip_tokenizer_init!r}")
         if not isinstance(self.enable_cuda_graphs, bool):
             raise ConfigError(f"enable_cuda_graphs must be True or False, got {self.enable_cuda_graphs!r}")
+        from .engine.speculation import SpeculativeConfig  # (the engine package imports this module)
+        SpeculativeConfig.parse(self.speculative_config)
         if self.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size > 1 is not supported yet")

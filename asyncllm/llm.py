@@ -15,8 +15,8 @@ from .frontend.lora import load_lora
 from .frontend.output_processor import OutputProcessor
 from .frontend.prompts import Prompt
 from .model.loader import load_tokenizer
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from .sampling_params import BeamSearchParams, SamplingParams
 
 _batch_ids = itertools.count()
 
@@ -93,6 +93,17 @@ class LLM:
                 self.engine.apply_pending()  # stop strings found in the last step free their blocks now
         return [finals[request.request_id] for _, request in requests]
 
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, *, lora: Any = None,
+                    use_tqdm: bool | None = None) -> list[BeamSearchOutput]:
+        """Beam search for every prompt: each result holds ``params.beam_width`` hypotheses, best
+        first (score: log-probability sum / length ** length_penalty, docs/decoding.md)."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError("params: expected a BeamSearchParams", field="params")
+        outputs = self.generate(prompts, params.to_sampling_params(), lora=lora, use_tqdm=use_tqdm)
+        return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + c.token_ids, _token_logprobs(c),
+                                                     c.cumulative_logprob, c.text, c.finish_reason, c.stop_reason)
+                                  for c in out.outputs]) for out in outputs]
+
     def _step(self):
         """One engine step; a failure inside it resets the engine (nothing else runs in it: this
         call's requests are dropped, every block freed) and becomes EngineDeadError, so the next
@@ -116,6 +127,14 @@ class LLM:
     def stats(self) -> dict[str, int]:
         """Engine counters: running/waiting sequences, KV blocks, preemptions, prefix-cache hits."""
         return self.engine.stats()
+
+
+def _token_logprobs(completion) -> list[float]:
+    """Each generated token's log-probability (beam outputs carry them in their top-logprob maps
+    only when asked; the cumulative value is always there)."""
+    if completion.logprobs:
+        return [entry[token] for entry, token in zip(completion.logprobs, completion.token_ids)]
+    return []
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -48,3 +48,22 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestMetrics | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis of ``LLM.beam_search``: prompt and generated tokens, and their text."""
+
+    tokens: list[int]            # prompt + generated (the end token included when the beam ended on it)
+    logprobs: list[float]        # of each generated token
+    cum_logprob: float           # their sum
+    text: str                    # the generated text
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """``LLM.beam_search``'s result for one prompt: its ``beam_width`` hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence]

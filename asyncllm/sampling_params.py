@@ -62,6 +62,10 @@ class SamplingParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    best_of: int | None = None           # sequences generated; the n best (cumulative logprob) returned
+    use_beam_search: bool = False        # beam search with best_of (or n) beams (docs/decoding.md)
+    length_penalty: float = 1.0          # beam search: hypothesis score = logprob sum / length**length_penalty
+    early_stopping: bool | str = False   # beam search: True, False (transformers' heuristic) or "never"
 
     @classmethod
     def from_kwargs(cls, params: "SamplingParams | None", kwargs: dict[str, Any]) -> "SamplingParams":
@@ -81,6 +85,11 @@ class SamplingParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request: ``best_of`` (beams or samples), else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
     def greedy(self) -> bool:
         """Temperature 0, or so close to it that sampling would divide by (almost) zero."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
@@ -98,6 +107,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"expected a boolean, got {getattr(self, name)!r}")
         self._validate_structured()
+        self._validate_best_of(max_n)
         return self
 
     def _validate_counts(self, max_n: int) -> None:
@@ -193,10 +203,74 @@ class SamplingParams:
                 _fail("choice", "expected a non-empty list of non-empty strings")
             self.choice = list(self.choice)
 
+    def _validate_best_of(self, max_n: int) -> None:
+        if self.best_of is not None:
+            _check_number("best_of", self.best_of, integer=True)
+            if not self.n <= self.best_of <= max_n:
+                _fail("best_of", f"must be between n ({self.n}) and {max_n}, got {self.best_of}")
+        if not isinstance(self.use_beam_search, bool):
+            _fail("use_beam_search", f"expected a boolean, got {self.use_beam_search!r}")
+        _check_number("length_penalty", self.length_penalty)
+        if not -10 <= self.length_penalty <= 10:
+            _fail("length_penalty", f"must be in [-10, 10], got {self.length_penalty}")
+        if self.early_stopping not in (True, False, "never"):
+            _fail("early_stopping", f'expected true, false or "never", got {short_repr(self.early_stopping)}')
+        if self.use_beam_search:
+            self._validate_beam_search()
+        elif self.best_of is not None and self.best_of > self.n and self.greedy:
+            _fail("best_of", "best_of > n needs sampling (temperature > 0) or use_beam_search: "
+                             "greedy samples are all the same")
+
+    def _validate_beam_search(self) -> None:
+        """Beam search ranks by the model's own log-probabilities (as transformers' generate with
+        num_beams and do_sample=False): logits processors that would change them are refused."""
+        refused = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+        for name, neutral in refused.items():
+            if getattr(self, name) != neutral:
+                _fail(name, "not supported with use_beam_search")
+        if self.logit_bias:
+            _fail("logit_bias", "not supported with use_beam_search")
+        if self.structured:
+            name = next(n for n in _STRUCTURED_FIELDS if getattr(self, n) is not None)
+            _fail(name, "structured output is not supported with use_beam_search")
+        if self.prompt_logprobs is not None:
+            _fail("prompt_logprobs", "not supported with use_beam_search")
+
+    @property
+    def beam_width(self) -> int:
+        """Beam search: the number of beams (``best_of``, else ``n``)."""
+        return self.num_sequences
+
     @property
     def structured(self) -> bool:
         """True when the output is constrained (json_schema, regex, choice or grammar)."""
         return any(getattr(self, name) is not None for name in _STRUCTURED_FIELDS)
+
+
+@dataclass
+class BeamSearchParams:
+    """``LLM.beam_search``'s parameters (vLLM's names): ``beam_width`` beams, up to ``max_tokens``
+    new tokens each. The search ranks by the model's log-probabilities (``temperature`` must be 0)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The equivalent request: ``best_of = n = beam_width`` with ``use_beam_search``."""
+        if self.temperature != 0:
+            _fail("temperature", "beam search ranks by the model's log-probabilities: temperature must be 0")
+        _check_number("beam_width", self.beam_width, integer=True)
+        if self.beam_width < 1:
+            _fail("beam_width", f"must be at least 1, got {self.beam_width}")
+        return SamplingParams(n=self.beam_width, best_of=self.beam_width, use_beam_search=True, temperature=0.0,
+                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, logprobs=0,
+                              length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+                              include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 def _check_token(name: str, token: Any, vocab_size: int | None) -> None:

@@ -22,6 +22,8 @@ from ..model.source import resolve_model_source
 from ..model.runner import ModelRunner
 from ..model.sampler import SamplingRow, prompt_logprobs, sample
 from ..structured import prefetch_masks
+from .beam_search import BeamGroup
+from .speculation import NgramProposer, SpeculationStats, SpeculativeConfig, grammar_states_along, record_outcome
 from .kv_cache import KVCacheManager
 from .request import EngineRequest, Sequence, SequenceStatus
 from .scheduler import ScheduledBatch, Scheduler
@@ -73,6 +75,18 @@ class EngineCore:
         self.generator = torch.Generator(self.runner.device).manual_seed(config.seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sequences: dict[str, list[Sequence]] = {}
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = self._build_proposer()
+        self.spec_stats = SpeculationStats()
+
+    def _build_proposer(self):
+        spec = self.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        from ..errors import ConfigError
+        raise ConfigError("speculative_config.method 'draft_model' is not available in this build; use 'ngram'")
 
     def _build_scheduling_state(self) -> None:
         config = self.config
@@ -137,6 +151,9 @@ class EngineCore:
             "prefix_cache_hits": self.kv.prefix_hits,
             "loras_in_use": len(self.scheduler.loras_in_use()),
             "itl_target_ms": self._itl_target_ms(),
+            "spec_num_drafts": self.spec_stats.num_drafts,
+            "spec_draft_tokens": self.spec_stats.num_draft_tokens,
+            "spec_accepted_tokens": self.spec_stats.num_accepted_tokens,
         }
 
     def _itl_target_ms(self) -> int:
@@ -172,9 +189,15 @@ class EngineCore:
             # already finished (e.g. its stop-string stop is still queued): drop it without a word.
             if not stale.is_finished:
                 self.scheduler.finish(stale)
-        seqs = [Sequence(request, i, self._generator_for(request, i)) for i in range(request.params.n)]
+        seqs = [Sequence(request, i, self._generator_for(request, i)) for i in range(request.params.num_sequences)]
         request.num_unfinished = len(seqs)
         leader = seqs[0]
+        if request.params.use_beam_search:
+            params = request.params
+            end_tokens = set() if params.ignore_eos else set(self.stop_checker.eos_token_ids)
+            group = BeamGroup(seqs, request.max_tokens, end_tokens, set(params.stop_token_ids or ()))
+            for seq in seqs:
+                seq.beam_group = group
         if request.grammar is not None:  # children clone the leader's state when they fork
             leader.grammar = request.grammar.new_state()
         for child in seqs[1:]:
@@ -195,34 +218,69 @@ class EngineCore:
         self._prefetch_grammar_masks(batch, plans)
         logits = self.runner.execute(StepInput.from_batch(batch, rows, self.block_table_rows))
         prompt_lps: dict[int, list[dict[int, float]]] = {}
-        to_sample: list[tuple[Sequence, int]] = []
-        for seq, n, (prompt_plan, sample_row) in zip(batch.seqs, batch.num_new_tokens, plans):
-            seq.num_computed_tokens += n
+        to_sample: list[tuple[Sequence, int, int]] = []  # (sequence, first logits row, drafts verified)
+        to_rank: list[tuple[Sequence, int]] = []
+        for seq, n, (prompt_plan, sample_row, num_drafts) in zip(batch.seqs, batch.num_new_tokens, plans):
+            # drafts verified this step count as computed only once accepted (_sample_and_update)
+            seq.num_computed_tokens += min(n, seq.num_tokens - seq.num_computed_tokens)
             self.kv.cache_full_blocks(seq)
             if prompt_plan is not None:
                 row, lo, hi = prompt_plan
                 k = seq.params.prompt_logprobs
                 prompt_lps[id(seq)] = prompt_logprobs(logits[row:row + hi - lo], seq.token_ids[lo + 1:hi + 1], k)
                 seq.prompt_logprob_pos = hi
-            if sample_row is not None:
-                to_sample.append((seq, sample_row))
-                for child in self.scheduler.start_children(seq):
-                    if seq.grammar is not None:  # forked before the leader samples: same (empty) progress
-                        child.grammar = seq.grammar.fork()
-                    to_sample.append((child, sample_row))
+            if sample_row is None:
+                continue
+            if seq.beam_group is not None:  # the beams' next-token distributions, ranked per group below
+                to_rank.append((seq, sample_row))
+                self.scheduler.start_children(seq)  # the other beams: forks of the prompt, until the first step
+                continue
+            to_sample.append((seq, sample_row, num_drafts))
+            for child in self.scheduler.start_children(seq):
+                if seq.grammar is not None:  # forked before the leader samples: same (empty) progress
+                    child.grammar = seq.grammar.fork()
+                to_sample.append((child, sample_row, 0))
         outputs = self._sample_and_update(logits, to_sample, prompt_lps)
+        if to_rank:
+            outputs.extend(self._step_beams(logits, to_rank))
         for seq in batch.seqs:  # prompt chunks that sampled nothing still report their logprobs
             if id(seq) in prompt_lps:
                 outputs.append(SequenceOutput(seq.request_id, seq.index, [], [], None, prompt_lps.pop(id(seq)),
                                               serial=seq.request.serial))
         return outputs
 
+    def _step_beams(self, logits: torch.Tensor, to_rank: list[tuple[Sequence, int]]) -> list[SequenceOutput]:
+        """Hand each beam its log-probabilities; groups whose beams all have theirs take a beam step
+        (a preempted beam's group waits for its recomputation)."""
+        index = torch.tensor([row for _, row in to_rank], device=logits.device)
+        logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+        outputs: list[SequenceOutput] = []
+        for (seq, _), row in zip(to_rank, logprobs):
+            group = seq.beam_group
+            if group.offer(seq, row) and group.step(self.kv):
+                outputs.extend(self._finish_beams(group))
+        return outputs
+
+    def _finish_beams(self, group: BeamGroup) -> list[SequenceOutput]:
+        """End a beam search: free every beam, report the n best hypotheses as sequences 0..n-1."""
+        request = group.beams[0].seq.request
+        for seq in group.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "stop"
+        request.num_unfinished = 0
+        if (seqs := self._sequences.get(request.request_id)) and seqs[0].request is request:
+            del self._sequences[request.request_id]
+        return [SequenceOutput(request.request_id, i, h.token_ids, h.logprobs, h.top_logprobs, None,
+                               h.finish_reason, h.stop_reason, group.beams[0].seq.num_cached_tokens, request.serial)
+                for i, h in enumerate(group.best(request.params.n))]
+
     def _prefetch_grammar_masks(self, batch: ScheduledBatch, plans) -> None:
         """Constrained sequences that sample this step get their token masks computed while the model
         runs (the grammar engine works in its own threads, without the GIL). On CPU this competes with
         the model for the cores and still wins since the fused CPU kernels landed (W-JSON 0.82-0.84 ->
         0.89-0.92 of unconstrained throughput, docs/benchmarks.md)."""
-        states = [seq.grammar for seq, (_, sample_row) in zip(batch.seqs, plans)
+        states = [seq.grammar for seq, (_, sample_row, _) in zip(batch.seqs, plans)
                   if sample_row is not None and seq.grammar is not None]
         if states:
             prefetch_masks(states, self.vocab_size)
@@ -242,40 +300,105 @@ class EngineCore:
                     prompt_plan = (len(rows), lo, hi)
                     rows.extend(range(flat + lo - start, flat + hi - start))
             sample_row = None
-            if end == seq.num_tokens:
+            if end >= seq.num_tokens:  # past it: drafts to verify, one logits row each (speculation.py)
                 sample_row = len(rows)
-                rows.append(flat + n - 1)
-            plans.append((prompt_plan, sample_row))
+                first = flat + n - 1 - (end - seq.num_tokens)
+                rows.extend(range(first, flat + n))
+            plans.append((prompt_plan, sample_row, max(end - seq.num_tokens, 0)))
             flat += n
         return rows, plans
 
-    def _sample_and_update(self, logits: torch.Tensor, to_sample: list[tuple[Sequence, int]],
+    def _sample_and_update(self, logits: torch.Tensor, to_sample: list[tuple[Sequence, int, int]],
                            prompt_lps: dict[int, list]) -> list[SequenceOutput]:
+        """Sample every sequence's next token(s): ``(sequence, first logits row, drafts verified)``;
+        one row each, or 1 + k rows for a sequence that verifies k drafts (the drafts before a row
+        count as generated in it, speculation.py)."""
         if not to_sample:
             return []
-        rows = [self._sampling_row(seq) for seq, _ in to_sample]
-        index = torch.tensor([row for _, row in to_sample], device=logits.device)
-        result = sample(logits[index], rows, self.generator, fused_greedy=self.runner.platform.fused_greedy)
+        rows: list[SamplingRow] = []
+        index: list[int] = []
+        drafts_of: list[list[int]] = []
+        for seq, row, num_drafts in to_sample:
+            drafts = seq.draft_tokens[:num_drafts]
+            drafts_of.append(drafts)
+            rows.append(self._sampling_row(seq))
+            for j in range(len(drafts)):
+                grammar = seq.draft_grammars[j] if seq.grammar is not None else None
+                rows.append(self._sampling_row(seq, drafts[:j + 1], grammar))
+            index.extend(range(row, row + len(drafts) + 1))
+        result = sample(logits[torch.tensor(index, device=logits.device)], rows, self.generator,
+                        fused_greedy=self.runner.platform.fused_greedy)
         outputs = []
-        for i, (seq, _) in enumerate(to_sample):
-            token = result.token_ids[i]
+        at = 0
+        for (seq, _, _), drafts in zip(to_sample, drafts_of):
+            picks = result.token_ids[at:at + len(drafts) + 1]
+            accepted = 0
+            while accepted < len(drafts) and picks[accepted] == drafts[accepted]:
+                accepted += 1
+            if drafts:
+                self._count_verification(seq, len(drafts), accepted)
+            outputs.append(self._append_tokens(seq, picks[:accepted + 1], result, at, prompt_lps.pop(id(seq), None)))
+            at += len(drafts) + 1
+        if self.proposer is not None:
+            self._propose(to_sample)
+        return outputs
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], result, at: int, lps) -> SequenceOutput:
+        """Append the step's tokens one by one (stop checks and grammar after each: a stop inside
+        accepted drafts drops what follows it); their KV, but the last one's, was computed."""
+        new: list[int] = []
+        logprobs: list[float] = []
+        tops: list[dict[int, float]] | None = [] if result.top_logprobs[at] is not None else None
+        reason = stop_reason = None
+        for i, token in enumerate(tokens):
             seq.token_ids.append(token)
-            top = [result.top_logprobs[i]] if result.top_logprobs[i] is not None else None
+            new.append(token)
+            logprobs.append(result.logprobs[at + i])
+            if tops is not None:
+                tops.append(result.top_logprobs[at + i])
             reason, stop_reason = self.stop_checker.check(seq, token)
             if reason is None and seq.grammar is not None:
                 reason = self._advance_grammar(seq, token)
-            lps = prompt_lps.pop(id(seq), None)
             if reason is not None:
-                outputs.append(self._finish(seq, reason, stop_reason, [token], [result.logprobs[i]], top, lps))
-            else:
-                outputs.append(SequenceOutput(seq.request_id, seq.index, [token], [result.logprobs[i]], top, lps,
-                                              num_cached_tokens=seq.num_cached_tokens, serial=seq.request.serial))
-        return outputs
+                break
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.draft_tokens, seq.draft_grammars = [], []
+        if len(tokens) > 1:
+            self.kv.cache_full_blocks(seq)
+        if reason is not None:
+            return self._finish(seq, reason, stop_reason, new, logprobs, tops, lps)
+        return SequenceOutput(seq.request_id, seq.index, new, logprobs, tops, lps,
+                              num_cached_tokens=seq.num_cached_tokens, serial=seq.request.serial)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _count_verification(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += proposed
+        stats.num_accepted_tokens += accepted
+        record_outcome(seq, proposed, accepted)
+
+    def _propose(self, sampled: list[tuple[Sequence, int, int]]) -> None:
+        """Drafts for the sequences that just sampled and go on (speculation.py): within their
+        output budget and the context length; filtered by their grammar when constrained."""
+        for seq, _, _ in sampled:
+            if seq.is_finished or seq.beam_group is not None:
+                continue
+            if seq.spec_wait > 0:  # backing off after failed drafts
+                seq.spec_wait -= 1
+                continue
+            limit = min(seq.request.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+            drafts = self.proposer.propose(seq.token_ids, limit)
+            if drafts and seq.grammar is not None:
+                drafts, seq.draft_grammars = grammar_states_along(seq.grammar, drafts)
+            seq.draft_tokens = drafts
+
+    def _sampling_row(self, seq: Sequence, drafts: list[int] = (), grammar=None) -> SamplingRow:
+        """The sampler's view of ``seq``; with ``drafts``: of the position after them (``grammar``: the
+        sequence's grammar state advanced over them)."""
         blocked = self.stop_checker.min_tokens_blocked(seq.params) if seq.params.min_tokens else []
-        return SamplingRow(seq.params, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
-                           seq.generator, blocked, seq.grammar)
+        output = seq.output_token_ids + list(drafts) if drafts else seq.output_token_ids
+        return SamplingRow(seq.params, seq.token_ids[:seq.num_prompt_tokens], output,
+                           seq.generator, blocked, grammar if drafts else seq.grammar)
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int) -> str | None:

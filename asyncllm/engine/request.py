@@ -69,6 +69,13 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.grammar = None                    # GrammarState: this sequence's own matcher, if constrained
+        self.beam_group = None                 # BeamGroup of a beam-search request (engine/beam_search.py)
+        # speculative decoding (engine/speculation.py): tokens proposed after the last one, the grammar
+        # states after each of them (constrained sequences), and the back-off after failed proposals
+        self.draft_tokens: list[int] = []
+        self.draft_grammars: list = []
+        self.spec_cooldown = 0
+        self.spec_wait = 0
 
     @property
     def request_id(self) -> str:

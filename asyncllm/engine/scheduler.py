@@ -166,18 +166,33 @@ class Scheduler:
         computing their prompts, in admission order."""
         preempted = False
         prefilling = []
+        tokens = 0
         for seq in list(self.running):
             if seq not in self.running:  # preempted to make room for an earlier one
                 continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > 1:
                 prefilling.append(seq)
-            elif remaining == 1 and len(batch) < self.max_num_batched_tokens:
-                if self._allocate_running(seq, 1, batch):
-                    batch.add(seq, 1)
+            elif remaining == 1 and tokens < self.max_num_batched_tokens:
+                num_new = self._speculative_tokens(seq, self.max_num_batched_tokens - tokens)
+                if num_new > 1 or self._allocate_running(seq, 1, batch):
+                    batch.add(seq, num_new)
+                    tokens += num_new
                 else:
                     preempted = True
         return preempted, prefilling
+
+    def _speculative_tokens(self, seq: Sequence, room: int) -> int:
+        """1 + the draft tokens a decoding sequence verifies this step (engine/speculation.py), with
+        their blocks allocated; 1 (nothing allocated yet) when it has none, or they do not fit the
+        budget or the free blocks (drafts never preempt anyone)."""
+        drafts = seq.draft_tokens
+        if drafts and room > 1:
+            del drafts[room - 1:]
+            if self.kv.allocate(seq, 1 + len(drafts)):
+                return 1 + len(drafts)
+        drafts.clear()
+        return 1
 
     def _schedule_running_prefills(self, batch: ScheduledBatch, prefilling: list[Sequence],
                                    allowance: PrefillAllowance) -> bool:

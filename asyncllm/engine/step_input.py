@@ -43,7 +43,10 @@ class StepInput:
         starts = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids[start:start + n])
+            chunk = seq.token_ids[start:start + n]
+            token_ids.extend(chunk)
+            if len(chunk) < n:  # a speculative step: the last token, then the drafts to verify
+                token_ids.extend(seq.draft_tokens[:n - len(chunk)])
             starts.append(start)
         rows, updates = tables.describe(batch.seqs)
         return cls(token_ids=token_ids, start_positions=starts, num_new_tokens=list(batch.num_new_tokens),

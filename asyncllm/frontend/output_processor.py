@@ -64,16 +64,34 @@ class RequestState:
     finished: bool = False
     serial: int = 0
     error: BaseException | None = None  # processing this request's output failed: it ends with this
+    # best_of > n (sampling): all best_of sequences are tracked, none is shown until every one has
+    # finished; then the n with the highest cumulative log-probability, renumbered 0..n-1
+    choose_best: bool = False
+    _chosen: list[_SequenceState] | None = None
+
+    def visible(self) -> list[_SequenceState]:
+        """The sequences the caller sees: all of them, or with best_of, the chosen n once done."""
+        if not self.choose_best:
+            return self.seqs
+        if not all(s.completion.finished for s in self.seqs):
+            return []
+        if self._chosen is None:
+            ranked = sorted(self.seqs, key=lambda s: s.completion.cumulative_logprob, reverse=True)
+            self._chosen = ranked[:self.params.n]
+            for i, s in enumerate(self._chosen):
+                s.completion.index = i
+        return self._chosen
 
     def output(self) -> RequestOutput:
         """The cumulative output so far."""
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [s.completion for s in self.seqs], self.finished, self.prompt_logprobs, self.metrics)
+                             [s.completion for s in self.visible()], self.finished, self.prompt_logprobs,
+                             self.metrics)
 
     def take_delta(self) -> RequestOutput:
         """Only what is new since the last call: text safe to show (stop strings held back)."""
         outputs = []
-        for s in self.seqs:
+        for s in self.visible():
             c = s.completion
             end = len(c.text) if c.finished or s.tools else max(s.sent_chars, len(c.text) - s.stops.hold_back)
             finish = c.finish_reason if not s.sent_finish else None  # reported once, with its last text
@@ -92,6 +110,12 @@ class RequestState:
 
     def _prompt_logprobs_done(self) -> bool:
         return len(self.prompt_logprobs) >= len(self.prompt_token_ids)
+
+
+def _num_tracked(params: SamplingParams) -> int:
+    """Sequences the front follows: beam search reports its n best beams only when it ends; best_of
+    sampling reports each of its best_of sequences, and the front picks the n best."""
+    return params.n if params.use_beam_search else params.num_sequences
 
 
 def _take_calls(seq: _SequenceState) -> list[ToolCall] | None:
@@ -119,7 +143,7 @@ class OutputProcessor:
             CompletionOutput(i, logprobs=[] if params.logprobs is not None else None, cumulative_logprob=0.0),
             (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
              if self.tokenizer is not None else NO_TEXT),
-            StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)) for i in range(params.n)]
+            StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)) for i in range(_num_tracked(params))]
         tools = getattr(request, "tool_context", None)
         if tools is not None and tools.parses_calls:
             fmt = parser_class(tools.parser)
@@ -127,7 +151,8 @@ class OutputProcessor:
                 seq.tools = _ToolStream(fmt(), self._markers(fmt))
         state = RequestState(request.request_id, prompt, prompt_ids, params, seqs,
                              RequestMetrics(request.arrival_time),
-                             [None] if params.prompt_logprobs is not None else None, serial=request.serial)
+                             [None] if params.prompt_logprobs is not None else None, serial=request.serial,
+                             choose_best=not params.use_beam_search and params.num_sequences > params.n)
         self.requests[request.request_id] = state
         return state
 
@@ -139,7 +164,7 @@ class OutputProcessor:
             state = self.requests.get(out.request_id)
             if state is None or (out.serial and state.serial and out.serial != state.serial):
                 continue  # a finished request whose id was reused: its late outputs are not the new one's
-            if state.error is None:
+            if state.error is None and out.index < len(state.seqs):  # (a beam request reports n of its beams)
                 try:
                     self._apply(state, state.seqs[out.index], out, now)
                 except Exception as exc:  # noqa: BLE001 - one request's failure must not reach the others

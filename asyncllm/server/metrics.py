@@ -53,6 +53,16 @@ class _EngineCollector(Collector):
                             stats.get("num_preemptions", 0))
         yield self._gauge("lora_adapters_loaded", "LoRA adapters registered with the engine.",
                           len(self.llm.list_loras()))
+        drafts = stats.get("spec_num_drafts", 0)
+        accepted = stats.get("spec_accepted_tokens", 0)
+        yield self._counter("spec_decode_num_drafts", "Speculative verification steps (a sequence verifying "
+                            "at least one draft token).", drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                            stats.get("spec_draft_tokens", 0))
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", accepted)
+        yield self._gauge("spec_decode_mean_accepted_length", "Tokens per verification step since start "
+                          "(1 + accepted drafts per step; 0 before the first).",
+                          1 + accepted / drafts if drafts else 0.0)
         yield self._gauge("itl_target_seconds", "Inter-token latency target of the latest step with decodes "
                           "(the stall-free policy; 0 without one).", stats.get("itl_target_ms", 0) / 1000)
 

@@ -80,11 +80,16 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     priority: Optional[int] = None  # scheduling: lower first (AsyncLLM's ``priority`` keyword, not sampling)
+    best_of: Optional[int] = None
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    early_stopping: Union[bool, Literal["never"], None] = None
 
     _passthrough: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "seed",
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-        "include_stop_str_in_output", "skip_special_tokens")
+        "include_stop_str_in_output", "skip_special_tokens", "best_of", "use_beam_search", "length_penalty",
+        "early_stopping")
 
     @property
     def include_usage(self) -> bool:
@@ -144,7 +149,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
-    best_of: Optional[int] = None
     suffix: Optional[str] = None
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -161,8 +165,6 @@ class CompletionRequest(_SamplingFields):
         kwargs["max_tokens"] = self.max_tokens
         if self.suffix is not None:
             raise InvalidRequestError("suffix: not supported by this server", field="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError("best_of: only best_of == n is supported", field="best_of")
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
             if self.echo:

@@ -46,7 +46,8 @@ def main(args: argparse.Namespace) -> None:
                        kv_cache_memory=args.kv_cache_memory, tool_parser=getattr(args, "tool_parser", None),
                        revision=args.revision, quantization=args.quantization,
                        generation_config=args.generation_config, max_itl_ms=args.max_itl_ms,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       speculative_config=args.speculative_config)
     except AsyncLLMError as exc:  # a bad option value: say which, not a traceback
         raise SystemExit(f"asyncllm serve: {exc}") from None
     try:

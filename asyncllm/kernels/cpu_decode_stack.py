@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "ASYNCLLM_CPU_DECODE_STACK"
 MAX_ROWS = 4  # decode batches up to this size run here; from 8 rows oneDNN's packed GEMM is faster (measured on SmolLM2)
+# Speculative verification steps of one or two sequences (1 + k rows each) also run here, one row per token:
+# the general path's per-layer torch calls cost more than the extra rows (docs/decoding.md).
+MAX_CHAINED_ROWS = 8
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
                  "gate_up_scales", "down_scales", "qkv_bias", "k_cache", "v_cache")
@@ -40,7 +43,7 @@ class _Layer(ctypes.Structure):
 
 _SIGNATURES = (("decode_stack_f32", (ctypes.POINTER(_Layer), _i64, _int, _i64, _ptr, _i64, _ptr, _f32, _i64, _i64,
                                      _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _f32,
-                                     _int), _int),)
+                                     _int, _int), _int),)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -120,8 +123,10 @@ class DecodeStack:
         return None
 
     def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A decode-only step small enough for this path."""
-        return num_tokens <= MAX_ROWS and len(meta.decode_indices) == meta.num_seqs == num_tokens
+        """A decode-only step small enough for this path (or a verification step laid out as one,
+        one row per token: ``meta.chained``)."""
+        limit = MAX_CHAINED_ROWS if meta.chained else MAX_ROWS
+        return num_tokens <= limit and len(meta.decode_indices) == meta.num_seqs == num_tokens
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -137,7 +142,7 @@ class DecodeStack:
             self.final_norm.data_ptr(), self.eps, s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads,
             s.head_dim, positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), meta.block_size, self.scale,
-            torch.get_num_threads())
+            torch.get_num_threads(), int(meta.chained))
         if failed == 2:
             raise IndexError(f"a position or sequence length is outside the rotary tables (0..{self.cos.shape[0] - 1})")
         if failed:

@@ -27,6 +27,9 @@ class AttentionMetadata:
     decode_indices: list[int]       # sequences with exactly one query token
     prefill_indices: list[int]      # sequences with several query tokens
     backend_state: Any = None       # whatever the attention backend prepares once per step
+    # one "sequence" per token, several of them consecutive positions of one real sequence (a small
+    # multi-token step laid out for the CPU decode stack, which then writes every row's KV first)
+    chained: bool = False
 
     @property
     def num_seqs(self) -> int:

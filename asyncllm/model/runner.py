@@ -16,7 +16,7 @@ from ..config import EngineConfig
 from ..engine.step_input import StepInput
 from ..errors import ConfigError
 from ..kernels.cpu_attention import CpuAttentionBackend
-from ..kernels.cpu_decode_stack import DecodeStack
+from ..kernels.cpu_decode_stack import MAX_CHAINED_ROWS, DecodeStack
 from ..kernels.cpu_linear import pack_linear_layers
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import cpu_ops, triton_ops
@@ -215,8 +215,11 @@ class ModelRunner:
             buffer[row, start:start + len(blocks)] = blocks
 
     def _prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        if step.table_rows is not None and not self.platform.is_cuda and all(n == 1 for n in step.num_new_tokens):
-            return self._prepare_decode(step)
+        if step.table_rows is not None and not self.platform.is_cuda:
+            if all(n == 1 for n in step.num_new_tokens):
+                return self._prepare_decode(step)
+            if self._fits_chained(step):
+                return self._prepare_chained(step)
         query_start = [0]
         for n in step.num_new_tokens:
             query_start.append(query_start[-1] + n)
@@ -237,6 +240,21 @@ class ModelRunner:
         self.backend.prepare(meta)
         return torch.tensor(step.token_ids, device=dev), positions, meta
 
+    def _fits_chained(self, step: StepInput) -> bool:
+        """A small multi-token step (speculative verification) the decode stack can run row by row."""
+        return (self.decode_stack is not None and not self.lora.groups
+                and len(step.token_ids) <= MAX_CHAINED_ROWS)
+
+    def _prepare_chained(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``_prepare`` of a step the decode stack runs with one row per token (``meta.chained``): a
+        sequence verifying k drafts becomes 1 + k rows at consecutive positions over its block table."""
+        starts, rows = _expand_rows(step)
+        max_blocks = int(starts.max()) // self.block_size + 1
+        self._apply_table_updates(step)
+        meta = _decode_metadata(starts, self._table_buffer[rows, :max_blocks], self.block_size)
+        meta.chained = True
+        return torch.tensor(step.token_ids), torch.from_numpy(starts), meta
+
     def _prepare_decode(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``_prepare`` for a CPU decode-only step from the engine (the batch-1 latency path)."""
         starts = np.asarray(step.start_positions, dtype=np.int64)
@@ -246,6 +264,15 @@ class ModelRunner:
         if self.decode_stack is None or self.lora.groups or not self.decode_stack.fits(meta, len(starts)):
             self.backend.prepare(meta)  # the decode stack needs none of the backend's plans
         return torch.tensor(step.token_ids), torch.from_numpy(starts), meta
+
+
+def _expand_rows(step: StepInput) -> tuple[np.ndarray, list[int]]:
+    """One row per token: its position, and its sequence's block-table row."""
+    starts, rows = [], []
+    for start, n, row in zip(step.start_positions, step.num_new_tokens, step.table_rows):
+        starts.extend(range(start, start + n))
+        rows.extend([row] * n)
+    return np.asarray(starts, dtype=np.int64), rows
 
 
 def _decode_metadata(starts: np.ndarray, tables: np.ndarray, block_size: int) -> AttentionMetadata:

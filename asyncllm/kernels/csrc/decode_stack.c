@@ -44,48 +44,80 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+#ifdef __AVX2__
+/* y[r][n] = x[r] . W[n] for the MR rows of x at once (MR a compile-time constant, so the accumulators
+ * stay in registers): each weight load feeds MR independent FMA chains. */
+#define GEMV_BLOCK(MR)                                                                                          \
+    static inline void gemv_block_##MR(const float *x, int64_t K, const void *W, const float *S, int64_t G,    \
+                                       int int8, const float *bias, float *y, int64_t ldy, int64_t n) {       \
+        const int64_t groups = int8 ? K / G : 1;                                                               \
+        __m256 acc[MR];                                                                                        \
+        for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();                                             \
+        for (int64_t g = 0; g < groups; g++) {                                                                 \
+            const int64_t kb = int8 ? g * G : 0, ke = int8 ? kb + G : K;                                       \
+            __m256 part[MR];                                                                                   \
+            for (int r = 0; r < MR; r++) part[r] = _mm256_setzero_ps();                                        \
+            for (int64_t k = kb; k < ke; k += 8) {                                                             \
+                const __m256 w = load_w8(W, int8, n * K + k);                                                  \
+                for (int r = 0; r < MR; r++) part[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * K + k), part[r]); \
+            }                                                                                                  \
+            if (int8) {                                                                                        \
+                const __m256 s = _mm256_set1_ps(S[n * groups + g]);                                            \
+                for (int r = 0; r < MR; r++) acc[r] = _mm256_fmadd_ps(part[r], s, acc[r]);                     \
+            } else {                                                                                           \
+                for (int r = 0; r < MR; r++) acc[r] = part[r];                                                 \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < MR; r++) y[r * ldy + n] = hsum8(acc[r]) + (bias ? bias[n] : 0.0f);                 \
+    }
+GEMV_BLOCK(1)
+GEMV_BLOCK(2)
+GEMV_BLOCK(3)
+GEMV_BLOCK(4)
+GEMV_BLOCK(5)
+GEMV_BLOCK(6)
+GEMV_BLOCK(7)
+GEMV_BLOCK(8)
+#endif
+
 /* y[m][n] (+)= x[m] . W[n] for rows n in [n0, n1), m < M; W float (int8 = 0) or int8 with scales. */
 static void gemv_rows(const float *x, int64_t M, int64_t K, const void *W, const float *S, int64_t G, int int8,
                       const float *bias, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    const int64_t groups = int8 ? K / G : 1;
-    for (int64_t n = n0; n < n1; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
-            float out[4] = {0, 0, 0, 0};
 #ifdef __AVX2__
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t kb = int8 ? g * G : 0, ke = int8 ? kb + G : K;
-                __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                for (int64_t k = kb; k < ke; k += 8) {
-                    const __m256 w = load_w8(W, int8, n * K + k);
-                    for (int64_t r = 0; r < mr; r++)
-                        part[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + r) * K + k), part[r]);
-                }
-                if (int8) {
-                    const __m256 s = _mm256_set1_ps(S[n * groups + g]);
-                    for (int64_t r = 0; r < mr; r++) acc[r] = _mm256_fmadd_ps(part[r], s, acc[r]);
-                } else {
-                    for (int64_t r = 0; r < mr; r++) acc[r] = part[r];
-                }
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const float *xm = x + m0 * K;
+            float *ym = y + m0 * ldy;
+            switch (M - m0 < 8 ? M - m0 : 8) {
+                case 1: gemv_block_1(xm, K, W, S, G, int8, bias, ym, ldy, n); break;
+                case 2: gemv_block_2(xm, K, W, S, G, int8, bias, ym, ldy, n); break;
+                case 3: gemv_block_3(xm, K, W, S, G, int8, bias, ym, ldy, n); break;
+                case 4: gemv_block_4(xm, K, W, S, G, int8, bias, ym, ldy, n); break;
+                case 5: gemv_block_5(xm, K, W, S, G, int8, bias, ym, ldy, n); break;
+                case 6: gemv_block_6(xm, K, W, S, G, int8, bias, ym, ldy, n); break;
+                case 7: gemv_block_7(xm, K, W, S, G, int8, bias, ym, ldy, n); break;
+                default: gemv_block_8(xm, K, W, S, G, int8, bias, ym, ldy, n); break;
             }
-            for (int64_t r = 0; r < mr; r++) out[r] = hsum8(acc[r]);
-#else
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t kb = int8 ? g * G : 0, ke = int8 ? kb + G : K;
-                for (int64_t r = 0; r < mr; r++) {
-                    float part = 0.0f;
-                    for (int64_t k = kb; k < ke; k++) {
-                        const float w = int8 ? (float)((const int8_t *)W)[n * K + k] : ((const float *)W)[n * K + k];
-                        part += w * x[(m0 + r) * K + k];
-                    }
-                    out[r] += int8 ? part * S[n * groups + g] : part;
-                }
-            }
-#endif
-            for (int64_t r = 0; r < mr; r++) y[(m0 + r) * ldy + n] = out[r] + (bias ? bias[n] : 0.0f);
         }
     }
+#else
+    const int64_t groups = int8 ? K / G : 1;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m = 0; m < M; m++) {
+            float out = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t kb = int8 ? g * G : 0, ke = int8 ? kb + G : K;
+                float part = 0.0f;
+                for (int64_t k = kb; k < ke; k++) {
+                    const float w = int8 ? (float)((const int8_t *)W)[n * K + k] : ((const float *)W)[n * K + k];
+                    part += w * x[m * K + k];
+                }
+                out += int8 ? part * S[n * groups + g] : part;
+            }
+            y[m * ldy + n] = out + (bias ? bias[n] : 0.0f);
+        }
+    }
+#endif
 }
 
 #ifdef __AVX2__
@@ -361,7 +393,7 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
                      const float *final_norm, float eps, int64_t H, int64_t I, int64_t num_heads, int64_t kv_heads,
                      int64_t D, const int64_t *positions, const float *cos_table, const float *sin_table,
                      int64_t max_positions, const int64_t *slots, const int64_t *block_tables, int64_t table_stride,
-                     const int64_t *seq_lens, int64_t block_size, float scale, int num_threads) {
+                     const int64_t *seq_lens, int64_t block_size, float scale, int num_threads, int chained) {
     const int64_t Q = num_heads * D, KV = kv_heads * D, QKV = Q + 2 * KV, per_kv = num_heads / kv_heads;
     int64_t longest = 1;
     for (int64_t m = 0; m < M; m++) {
@@ -403,8 +435,20 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
                 for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++) rope_head(row + h * D, c, s, D);
                 memcpy(L->k_cache + slots[m] * KV + kvh * D, k, (size_t)D * sizeof(float));
                 memcpy(L->v_cache + slots[m] * KV + kvh * D, row + Q + KV + kvh * D, (size_t)D * sizeof(float));
-                attend(L, row, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride, block_size,
-                       kv_heads, D, scale, scores);
+                if (!chained)
+                    attend(L, row, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride,
+                           block_size, kv_heads, D, scale, scores);
+            }
+            if (chained) {
+                /* rows are consecutive positions of the same sequences (a speculative verification):
+                   a row reads the keys/values its predecessors wrote above, so every row's cache
+                   write completes (the barrier ending the loop above) before any row attends */
+#pragma omp for schedule(static)
+                for (int64_t task = 0; task < M * kv_heads; task++) {
+                    const int64_t m = task / kv_heads, kvh = task % kv_heads;
+                    attend(L, qkv + m * QKV, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride,
+                           block_size, kv_heads, D, scale, scores);
+                }
             }
             project(attn, M, Q, L->o, L->o_scales, g_q, int8, NULL, delta, H);
             for (int64_t m = 0; m < M; m++) {

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
-from asyncllm.engine.speculation import (MAX_COOLDOWN, NgramProposer, SpeculativeConfig, grammar_states_along,
-                                         record_outcome)
+from asyncllm.engine.speculation import (MAX_COOLDOWN, NgramProposer, Proposer, SpeculativeConfig,
+                                         grammar_states_along, record_outcome)
 from asyncllm.errors import ConfigError
 from asyncllm.server import create_app
 from server_helpers import build_test_adapter
@@ -45,12 +45,13 @@ def generate_both(model_dir, prompts, params, lora=None, script=False, **engine_
     return expected, spec.generate(prompts, params, lora=lora), spec
 
 
-def assert_unchanged(expected, got, spec):
+def assert_unchanged(expected, got, spec, some_accepted=True):
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in expected]
     assert [[c.finish_reason for c in o.outputs] for o in got] == \
         [[c.finish_reason for c in o.outputs] for o in expected]
     stats = spec.stats()
-    assert stats["spec_num_drafts"] > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert stats["spec_num_drafts"] > 0 and stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert stats["spec_accepted_tokens"] > 0 or not some_accepted
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
 
 
@@ -70,7 +71,7 @@ def test_greedy_output_unchanged(kind, engine_kwargs, model_dirs):
         assert spec.stats()["prefix_cache_hits"] > 0
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Proposes a known continuation of each prompt (e.g. plain decoding's greedy output), with
     every ``corrupt_every``-th proposal made wrong at its third token: drafts are then accepted
     often, partly, and rejected, which copies from random-weight models rarely are."""
@@ -226,6 +227,7 @@ def test_grammar_filters_drafts(model_dirs):
 @pytest.mark.parametrize("bad", [
     {"method": "medusa"}, {"num_speculative_tokens": 0}, {"prompt_lookup_max": "3"}, {"colour": 1},
     {"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "{not json", [1, 2], {"method": "draft_model"},
+    {"method": "ngram", "model": "x"},
 ])
 def test_bad_speculative_config_is_a_config_error(bad, model_dirs):
     with pytest.raises(ConfigError, match="speculative_config"):
@@ -260,3 +262,87 @@ def test_async_streams_and_metrics(model_dirs):
     assert scraped["spec_decode_num_accepted_tokens_total"] == stats["spec_accepted_tokens"]
     assert scraped["spec_decode_mean_accepted_length"] == pytest.approx(
         1 + stats["spec_accepted_tokens"] / stats["spec_num_drafts"])
+
+
+# ---- draft model ------------------------------------------------------------------------------------
+
+def draft_config(path, k=4):
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+def test_draft_model_equal_to_target_accepts_every_draft(model_dirs):
+    """The target as its own draft: every greedy draft is accepted; output unchanged, including
+    with prefix-cache hits on the second round and n = 2."""
+    prompts = copy_prompts(6, 5)
+    plain = LLM(str(model_dirs["llama"]), dtype="float32", block_size=4)
+    spec = LLM(str(model_dirs["llama"]), dtype="float32", block_size=4,
+               speculative_config=draft_config(model_dirs["llama"]))
+    params = [GREEDY] * 4 + [SamplingParams(n=2, temperature=0, max_tokens=48, ignore_eos=True)]
+    for round_prompts in (prompts, [p + [7, 8, 9] for p in prompts]):
+        expected, got = plain.generate(round_prompts, params), spec.generate(round_prompts, params)
+        assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in expected]
+    stats = spec.stats()
+    assert stats["spec_draft_tokens"] > 300 and stats["spec_accepted_tokens"] >= 0.95 * stats["spec_draft_tokens"]
+    assert stats["prefix_cache_hits"] > 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("engine_kwargs", [{"block_size": 4}, {"enable_prefix_caching": False}])
+def test_other_draft_model_keeps_greedy_output(engine_kwargs, model_dir_factory, model_dirs):
+    """A different (one-layer, other seed) draft: random models disagree, so its drafts are rejected
+    (and back-off spaces its proposals out); the output stays the target's."""
+    draft = model_dir_factory("llama", seed=5, num_hidden_layers=1)
+    prompts = copy_prompts(7, 6)
+    plain = LLM(str(model_dirs["llama"]), dtype="float32", **engine_kwargs)
+    spec = LLM(str(model_dirs["llama"]), dtype="float32", speculative_config=draft_config(draft), **engine_kwargs)
+    assert_unchanged(plain.generate(prompts, GREEDY), spec.generate(prompts, GREEDY), spec, some_accepted=False)
+
+
+def test_draft_model_with_lora_structured_output_and_preemption(model_dirs, tmp_path):
+    """The target's adapter verifies (the draft runs without it); the grammar filters the drafts;
+    a KV cache too small for every sequence preempts and recomputes them."""
+    pytest.importorskip("peft")
+    adapter = build_test_adapter(model_dirs["llama"], tmp_path / "adapter")
+    prompts = copy_prompts(8, 4)
+    kwargs = dict(dtype="float32", block_size=4)
+    plain = LLM(str(model_dirs["llama"]), **kwargs)
+    plain.add_lora("a", str(adapter))
+    spec = LLM(str(model_dirs["llama"]), speculative_config=draft_config(model_dirs["llama"]), **kwargs)
+    spec.add_lora("a", str(adapter))
+    assert_same = lambda a, b: [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]  # noqa
+    assert assert_same(plain.generate(prompts, GREEDY, lora="a"), spec.generate(prompts, GREEDY, lora="a"))
+    regex = SamplingParams(temperature=0, max_tokens=40, regex=r"(ab|cd|[a-z ]{1,5}){1,30}")
+    texts = ["abab abab cd", "the cat the cat"]
+    assert [o.outputs[0].text for o in plain.generate(texts, regex)] == \
+        [o.outputs[0].text for o in spec.generate(texts, regex)]
+    tight = LLM(str(model_dirs["llama"]), max_model_len=64, kv_cache_memory=20 * plain.engine.runner.bytes_per_block,
+                speculative_config=draft_config(model_dirs["llama"]), **kwargs)
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    many = copy_prompts(9, 8)
+    assert assert_same(plain.generate(many, long), tight.generate(many, long))
+    assert tight.stats()["num_preemptions"] > 0 and tight.stats()["kv_blocks_used"] == 0
+    assert spec.stats()["spec_accepted_tokens"] > 0
+
+
+def test_draft_model_sampled_distribution_unchanged(model_dirs):
+    plain = LLM(str(model_dirs["llama"]), dtype="float32")
+    spec = LLM(str(model_dirs["llama"]), dtype="float32", speculative_config=draft_config(model_dirs["llama"], k=3))
+    prompt = [11, 57, 300, 812, 45]
+    samples = []
+    for engine in (plain, spec):
+        params = [SamplingParams(n=100, temperature=0.7, max_tokens=4, ignore_eos=True, seed=seed)
+                  for seed in range(12)]
+        samples.append([tuple(c.token_ids) for out in engine.generate([prompt] * 12, params) for c in out.outputs])
+    stats = spec.stats()
+    assert stats["spec_accepted_tokens"] > 300 and stats["spec_draft_tokens"] - stats["spec_accepted_tokens"] > 300
+    for position in (1, 2, 3):
+        first, second = ({}, {})
+        for table, tokens in ((first, samples[0]), (second, samples[1])):
+            for t in tokens:
+                table[t[position]] = table.get(t[position], 0) + 1
+        assert _chi_square_p(first, second) > 0.001
+
+
+def test_draft_model_must_share_the_vocabulary(model_dir_factory, model_dirs):
+    other = model_dir_factory("llama", vocab_size=1200)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(str(model_dirs["llama"]), dtype="float32", speculative_config=draft_config(other))

@@ -85,8 +85,8 @@ class EngineCore:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec)
-        from ..errors import ConfigError
-        raise ConfigError("speculative_config.method 'draft_model' is not available in this build; use 'ngram'")
+        from .draft_model import DraftModelProposer  # loads a second model: only when asked for
+        return DraftModelProposer(self.config, spec, self.runner, self.max_model_len, self.token_budget)
 
     def _build_scheduling_state(self) -> None:
         config = self.config
@@ -109,6 +109,8 @@ class EngineCore:
                 break
         self._sequences = {}
         self._build_scheduling_state()
+        if self.proposer is not None:
+            self.proposer.reset()
 
     # ---- thread-safe entry points -------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -380,6 +382,7 @@ class EngineCore:
     def _propose(self, sampled: list[tuple[Sequence, int, int]]) -> None:
         """Drafts for the sequences that just sampled and go on (speculation.py): within their
         output budget and the context length; filtered by their grammar when constrained."""
+        items = []
         for seq, _, _ in sampled:
             if seq.is_finished or seq.beam_group is not None:
                 continue
@@ -387,7 +390,11 @@ class EngineCore:
                 seq.spec_wait -= 1
                 continue
             limit = min(seq.request.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
-            drafts = self.proposer.propose(seq.token_ids, limit)
+            if limit > 0:
+                items.append((seq, limit))
+        if not items:
+            return
+        for (seq, _), drafts in zip(items, self.proposer.propose_many(items)):
             if drafts and seq.grammar is not None:
                 drafts, seq.draft_grammars = grammar_states_along(seq.grammar, drafts)
             seq.draft_tokens = drafts

@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -88,7 +89,21 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.model: only used with method 'draft_model'")
 
 
-class NgramProposer:
+class Proposer:
+    """Makes draft tokens for decoding sequences (``propose`` one at a time, or ``propose_many``)."""
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_many(self, items: list[tuple[Any, int]]) -> list[list[int]]:
+        """Drafts for each (sequence, at most this many tokens)."""
+        return [self.propose(seq.token_ids, limit) for seq, limit in items]
+
+    def reset(self) -> None:
+        """Forget per-sequence state (the engine was reset)."""
+
+
+class NgramProposer(Proposer):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last
     ``n`` tokens (longest ``n`` first, from ``prompt_lookup_max`` down to ``prompt_lookup_min``)."""
 

@@ -287,3 +287,20 @@ def test_committed_results_carry_no_machine_paths():
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):
         text = path.read_text()
         assert str(ROOT) not in text and "/root/" not in text and "/home/" not in text, path
+
+
+def test_w_spec_tiny(model_dirs, tmp_path):
+    """W-SPEC at its tiny size on the tests' Llama: figures consistent, greedy outputs equal."""
+    from benchmarks import w_spec
+
+    out = tmp_path / "w_spec.json"
+    report = w_spec.main(["--model", str(model_dirs["llama"]), *w_spec.SIZES["tiny"], "--json", str(out)])
+    for name in ("copy", "free", "free-sampled"):
+        r = report["workloads"][name]
+        assert r["plain"]["tokens"] > 0 and r["spec"]["tokens"] > 0
+        assert r["speedup"] == pytest.approx(r["spec"]["tokens_per_s"] / r["plain"]["tokens_per_s"])
+        assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
+    assert report["workloads"]["copy"]["identical_outputs"] is True
+    assert report["workloads"]["free-sampled"]["identical_outputs"] is None
+    saved = json.loads(out.read_text())
+    assert saved["workload"] == "W-SPEC" and saved["config"]["k"] == 4

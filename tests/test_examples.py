@@ -139,3 +139,14 @@ def test_smooth_streams_example(model_dirs):
     order = report["finishing order"]
     assert order[0] == "interactive" and sorted(order[1:3]) == ["batch-0", "batch-1"]
     assert order[3] != "(preemptions: 0)"
+
+
+def test_decoding_example(model_dirs):
+    module = _load("decoding")
+    result = module.beams_and_best_of(str(model_dirs["llama"]))
+    scores = [h.cum_logprob / len(h.logprobs) for h in result["beams"]]  # length_penalty 1: the search's score
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    assert [c.index for c in result["best_of"]] == [0, 1]
+    assert result["best_of"][0].cumulative_logprob >= result["best_of"][1].cumulative_logprob
+    spec = asyncio.run(module.speculative_stream(str(model_dirs["llama"])))
+    assert spec["text"] == spec["plain"] and spec["stats"]["spec_draft_tokens"] > 0

@@ -87,3 +87,27 @@ def test_float32_greedy_equals_transformers_from_directory_and_hub_id(smollm2_fi
     make_hub_cache(offline_hub, "HuggingFaceTB/SmolLM2-135M-Instruct", hf_dir)
     by_id = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32", **ENGINE)
     assert [o.outputs[0].token_ids for o in by_id.generate(prompts, greedy)] == expected
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_beam_search_equals_transformers(smollm2_files, k):
+    """Beam search on the real model: every hypothesis equals transformers' generate(num_beams=k)."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, _ = smollm2_files
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    llm = LLM(str(hf_dir), dtype="float32", **ENGINE)
+    prompts = [llm.tokenizer.encode("The three most important inventions in history are"),
+               llm.tokenizer.encode("def fibonacci(n):")]
+    pad = reference.generation_config.pad_token_id
+    pad = pad if pad is not None else reference.generation_config.eos_token_id
+    outputs = llm.generate(prompts, SamplingParams(n=k, best_of=k, use_beam_search=True, temperature=0,
+                                                   max_tokens=16))
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = reference.generate(torch.tensor([prompt]), num_beams=k, do_sample=False, max_new_tokens=16,
+                                     num_return_sequences=k)
+        for mine, theirs in zip(out.outputs, ref):
+            theirs = theirs[len(prompt):].tolist()
+            n = len(mine.token_ids)
+            assert mine.token_ids == theirs[:n] and all(t == pad for t in theirs[n:])

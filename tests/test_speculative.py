@@ -3,13 +3,14 @@ unchanged, counters, back-off, configuration."""
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
-from asyncllm.engine.speculation import (MAX_COOLDOWN, NgramProposer, Proposer, SpeculativeConfig,
-                                         grammar_states_along, record_outcome)
+from asyncllm.engine.speculation import (NgramProposer, Proposer, SpeculativeConfig, acceptance_rate,
+                                         draft_length, grammar_states_along, plan_drafts, record_outcome)
 from asyncllm.errors import ConfigError
 from asyncllm.server import create_app
 from server_helpers import build_test_adapter
@@ -198,19 +199,28 @@ def test_ngram_proposer_finds_the_latest_longest_match():
     assert proposer.propose([256, 0, 7, 1], limit=4) == []
 
 
-def test_backoff_doubles_after_failures_and_resets_on_success():
-    class Seq:
-        spec_cooldown = 0
-        spec_wait = 0
+def test_draft_length_follows_acceptance():
+    """Drafts cost a fraction of a step each: none pay at low acceptance, all k at high acceptance."""
+    lengths = [draft_length(a / 10, 8) for a in range(11)]
+    assert lengths[:2] == [0, 0] and lengths[-1] == 8 and draft_length(0.9, 4) == 4
+    assert lengths == sorted(lengths)
+    assert draft_length(0.5, 8, row_cost=0.0) == 8 and draft_length(0.5, 8, row_cost=1.0) == 0
 
-    seq = Seq()
-    waits = []
-    for _ in range(8):
-        record_outcome(seq, 4, 0)
-        waits.append(seq.spec_wait)
-    assert waits == [1, 2, 4, 8, 16, 32, MAX_COOLDOWN, MAX_COOLDOWN]
-    record_outcome(seq, 4, 2)
-    assert seq.spec_cooldown == 0
+
+def test_plan_drafts_backs_off_and_recovers():
+    seq = SimpleNamespace(spec_hits=0.0, spec_misses=0.0, spec_cooldown=0, spec_wait=0)
+    assert plan_drafts(seq, 4) >= 1  # no evidence yet: acceptance 0.5
+    for _ in range(10):
+        record_outcome(seq, 1, 0)
+    assert acceptance_rate(seq) < 0.2
+    plans = [plan_drafts(seq, 4) for _ in range(20)]
+    probes = [i for i, p in enumerate(plans) if p]
+    assert all(plans[i] == 1 for i in probes) and probes == [0, 2, 5, 10, 19]  # waits of 1, 2, 4, 8 steps
+    for _ in range(6):
+        record_outcome(seq, 4, 4)
+    while seq.spec_wait:
+        plan_drafts(seq, 4)
+    assert acceptance_rate(seq) > 0.8 and plan_drafts(seq, 4) == 4 and seq.spec_cooldown == 0
 
 
 def test_grammar_filters_drafts(model_dirs):
@@ -346,3 +356,28 @@ def test_draft_model_must_share_the_vocabulary(model_dir_factory, model_dirs):
     other = model_dir_factory("llama", vocab_size=1200)
     with pytest.raises(ConfigError, match="vocabulary"):
         LLM(str(model_dirs["llama"]), dtype="float32", speculative_config=draft_config(other))
+
+
+def test_serve_speculative_config_flag(model_dirs):
+    """``asyncllm serve --speculative-config JSON`` reaches the engine (its counters appear on
+    /metrics); a bad value stops the command with a message naming the option."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from server_helpers import start_serve
+
+    proc, base = start_serve(str(model_dirs["llama"]), "--dtype", "float32", "--speculative-config", json.dumps(NGRAM))
+    try:
+        body = {"prompt": copy_prompts(1, 6), "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).status_code == 200
+        metrics = httpx.get(f"{base}/metrics").text
+        drafts = [line for line in metrics.splitlines() if line.startswith("asyncllm:spec_decode_num_drafts_total")]
+        assert drafts and float(drafts[0].split()[-1]) > 0
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=15)
+    bad = subprocess.run([sys.executable, "-m", "asyncllm.cli", "serve", str(model_dirs["llama"]),
+                          "--speculative-config", "{oops"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "speculative_config" in bad.stderr

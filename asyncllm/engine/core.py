@@ -23,7 +23,8 @@ from ..model.runner import ModelRunner
 from ..model.sampler import SamplingRow, prompt_logprobs, sample
 from ..structured import prefetch_masks
 from .beam_search import BeamGroup
-from .speculation import NgramProposer, SpeculationStats, SpeculativeConfig, grammar_states_along, record_outcome
+from .speculation import (NgramProposer, SpeculationStats, SpeculativeConfig, grammar_states_along, plan_drafts,
+                          record_outcome)
 from .kv_cache import KVCacheManager
 from .request import EngineRequest, Sequence, SequenceStatus
 from .scheduler import ScheduledBatch, Scheduler
@@ -386,10 +387,9 @@ class EngineCore:
         for seq, _, _ in sampled:
             if seq.is_finished or seq.beam_group is not None:
                 continue
-            if seq.spec_wait > 0:  # backing off after failed drafts
-                seq.spec_wait -= 1
-                continue
             limit = min(seq.request.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+            if limit > 0:
+                limit = min(limit, plan_drafts(seq, self.speculative.num_speculative_tokens))
             if limit > 0:
                 items.append((seq, limit))
         if not items:

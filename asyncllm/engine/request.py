@@ -74,6 +74,8 @@ class Sequence:
         # states after each of them (constrained sequences), and the back-off after failed proposals
         self.draft_tokens: list[int] = []
         self.draft_grammars: list = []
+        self.spec_hits = 0.0     # decayed counts of accepted drafts and of rejections (speculation.py)
+        self.spec_misses = 0.0
         self.spec_cooldown = 0
         self.spec_wait = 0
 

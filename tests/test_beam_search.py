@@ -231,3 +231,28 @@ def test_server_beam_search_and_best_of(model_dirs):
         assert_error(bad, 400, "frequency_penalty")
     finally:
         llm.close()
+
+
+def test_stop_strings_end_hypotheses_as_transformers_does(model_dirs):
+    """A candidate whose text completes a stop string ends like an end token does (transformers'
+    StopStringCriteria); the returned text is cut before the stop string."""
+    from transformers import AutoTokenizer
+
+    model = reference_model(model_dirs["llama"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["llama"])
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", block_size=4)
+    beams = dict(n=3, best_of=3, use_beam_search=True, temperature=0, max_tokens=12)
+    stopped = 0
+    for prompt in prompts(13, 4):
+        (free,) = llm.generate([prompt], SamplingParams(**beams))
+        text = free.outputs[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 2]  # occurs in the best beam's text
+        expected, _ = hf_beams(model, prompt, 3, stop_strings=[stop], tokenizer=tokenizer)
+        (out,) = llm.generate([prompt], SamplingParams(stop=[stop], **beams))
+        got = [c.token_ids for c in out.outputs]
+        assert same_beams(got, expected, model.generation_config.pad_token_id), (stop, got, expected)
+        for c in out.outputs:
+            if c.finish_reason == "stop":
+                stopped += 1
+                assert c.stop_reason == stop and stop not in c.text
+    assert stopped > 0

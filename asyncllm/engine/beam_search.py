@@ -5,7 +5,8 @@ beam has the log-probabilities of its next token, the group takes one beam step:
 
 1. every beam's log-probabilities plus its cumulative score, flattened over (beam, token); the best
    ``K = max(2, 1 + number of end tokens) * width`` candidates, best first;
-2. candidates that end (an end token, or the last allowed token) and rank among the first ``width``
+2. candidates that end (an end token, a stop string reaching into the candidate's token, or the
+   last allowed token) and rank among the first ``width``
    become finished hypotheses, scored ``sum of logprobs / generated_length ** length_penalty``;
    the ``width`` best finished ones are kept;
 3. the ``width`` best candidates that do not end become the next beams. A beam continued by several
@@ -40,7 +41,7 @@ class Hypothesis:
     top_logprobs: list[dict[int, float]] | None
     score: float  # length-normalised
     finish_reason: str
-    stop_reason: int | None
+    stop_reason: int | str | None
 
 
 @dataclass
@@ -65,6 +66,7 @@ class BeamGroup:
         self.max_new_tokens = max_new_tokens
         self.end_tokens = end_tokens | stop_token_ids
         self.stop_token_ids = stop_token_ids
+        self.stop_strings = seqs[0].request.beam_stop  # token ids -> the stop string they end with, or None
         self.num_candidates = max(2, 1 + len(self.end_tokens)) * self.width
         self.top_k = params.logprobs  # per-token top logprobs reported, or None
         self.beams = [Beam(seqs[0], 0.0, top_logprobs=[] if self.top_k is not None else None)]
@@ -101,11 +103,12 @@ class BeamGroup:
         for rank, (parent, token, score) in enumerate(zip(parents, tokens, values)):
             beam = self.beams[parent]
             token_logprob = float(rows[parent, token])
-            ends = last or token in self.end_tokens
+            stop = self.stop_strings(beam.seq.token_ids + [token]) if self.stop_strings is not None else None
+            ends = last or token in self.end_tokens or stop is not None
             all_end = all_end and ends
             if ends:
                 if rank < self.width:
-                    self._add_hypothesis(beam, token, score, token_logprob, rows[parent], last)
+                    self._add_hypothesis(beam, token, score, token_logprob, rows[parent], stop)
             elif len(chosen) < self.width:
                 chosen.append((beam, token, score, token_logprob))
         self.num_generated += 1
@@ -115,16 +118,16 @@ class BeamGroup:
         return self._done()
 
     def _add_hypothesis(self, beam: Beam, token: int, score: float, token_logprob: float,
-                        row: torch.Tensor, length_cut: bool) -> None:
+                        row: torch.Tensor, stop: str | None) -> None:
         if self.early_stopping is True and self._was_full:
             return  # transformers stops adding once every slot was finished
         generated = self.num_generated + 1
         normalised = score / (generated ** self.length_penalty)
         if len(self.finished) == self.width and normalised <= self.finished[-1].score:
             return
-        ended = token in self.end_tokens
+        ended = token in self.end_tokens or stop is not None
         reason = "stop" if ended else "length"
-        stop_reason = token if ended and token in self.stop_token_ids else None
+        stop_reason = stop if stop is not None else token if token in self.stop_token_ids else None
         tops = None
         if beam.top_logprobs is not None:
             tops = beam.top_logprobs + [self._top_entry(row, token)]

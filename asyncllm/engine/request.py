@@ -39,6 +39,7 @@ class EngineRequest:
     tool_context: Any = None            # the front's tool-calling state (parser choice); the engine ignores it
     num_unfinished: int = 0             # the engine's count of this request's sequences still running
     priority: int = 0                   # lower runs first (scheduler.py); equal priorities: arrival order
+    beam_stop: Any = None               # beam search with stop strings: token ids -> the stop string they end with
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.cache_salt is None:

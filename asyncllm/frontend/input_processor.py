@@ -13,6 +13,7 @@ from ..structured import GrammarCompiler, GrammarTemplate
 from ..tools import ToolContext, build_tool_context, parser_class
 from .generation_defaults import sampling_defaults
 from .prompts import Prompt, check_prompt_length, tokenize_prompt
+from .stop_strings import StopStringEnds
 
 _counter = itertools.count()
 
@@ -75,6 +76,8 @@ class InputProcessor:
             raise InvalidRequestError("request_id: expected a non-empty string", field="request_id")
         request = EngineRequest(request_id, ids, params, max_tokens, time.monotonic(), cache_salt, lora,
                                 grammar=grammar, tool_context=tool_context, priority=priority)
+        if params.use_beam_search and params.stop_strings:  # beams end on stop strings as on end tokens
+            request.beam_stop = StopStringEnds(self.tokenizer, params.stop_strings)
         return text, request
 
     def needs_worker(self, prompt: Any, params: SamplingParams | None, sampling_kwargs: dict[str, Any],

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="inter-token latency target that sizes prefill chunks beside running streams: "
                             "'auto' (3x the decode step, the default), a number of milliseconds, or 'none' "
                             "(throughput mode)")
+    serve.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
+                       help="let browser apps on ORIGIN call the server (CORS; repeatable or comma-separated; "
+                            "'*' for any)")
     serve.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                             "(docs/decoding.md)")

@@ -264,3 +264,37 @@ def test_agent_loop_example(llm, capsys):
     jsonschema.validate(json.loads(call["function"]["arguments"]), example.TOOLS[0]["function"]["parameters"])
     assert json.loads(messages[3]["content"])["sky"] == "clear"
     assert "[tool] get_weather(" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesParser, 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    (MistralParser, 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+    (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+])
+def test_a_cut_never_leaks_call_markup_into_content(parser, text):
+    """Cut at every character: the content is at most the text before the call, never a piece of
+    its markup; a call whose name is complete is kept (with the arguments it had)."""
+    before = text[:text.index(parser.start)].rstrip() if parser.start in text else ""
+    for end in range(len(text) + 1):
+        p = parser()
+        content, _ = p.feed(text[:end])
+        rest, _ = p.finish(cut=True)
+        content += rest
+        shown = content.rstrip()  # (text cut right after a space shows the space: it was content)
+        assert shown == before[:len(shown)] and "<" not in content and "{" not in content, (end, content)
+        assert not p.calls or p.calls[0].name == "get_weather"
+
+
+def test_forced_call_cut_by_max_tokens_has_no_content(llm):
+    """tool_choice="required" cut at every length: no markup in the content (whole and streamed),
+    finish_reason "length" until the call completes."""
+    async def main():
+        for max_tokens in range(1, 28, 3):
+            kwargs = dict(tool_choice="required", temperature=0, max_tokens=max_tokens)
+            whole = (await llm.generate(MESSAGES, tools=TOOLS, **kwargs)).outputs[0]
+            assert whole.text == "", (max_tokens, whole.text)
+            assert whole.finish_reason in ("length", "tool_calls")
+            content, _, finish = await _streamed(llm, **kwargs)
+            assert content == "" and finish == whole.finish_reason
+
+    asyncio.run(main())

@@ -238,7 +238,7 @@ class OutputProcessor:
         content, fragments = tools.parser.feed(tools.raw[tools.fed:end])
         tools.fed = end
         if reason is not None:
-            rest, more = tools.parser.finish()
+            rest, more = tools.parser.finish(cut=reason == "length")
             content, fragments = content + rest, fragments + more
         completion.text += content
         tools.pending.extend(fragments)

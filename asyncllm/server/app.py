@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -42,7 +44,8 @@ Handler = Callable[[ServerContext, Request], Awaitable[Response]]
 
 def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | None = None, *,
                allow_lora_loading: bool | Iterable[str | Path] | None = False,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               allowed_origins: Iterable[str] | None = None) -> Starlette:
     """An OpenAI-compatible Starlette app serving ``llm``; mount it anywhere or run it as is.
 
     ``model_name`` is what clients pass as ``model`` (default: :func:`default_model_name`).
@@ -50,7 +53,8 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
     ``Authorization: Bearer <api_key>``. ``allow_lora_loading`` lists the directories that
     ``/v1/load_lora_adapter`` may load adapters from (off by default: the LoRA routes answer 403).
     POST bodies must be JSON (415 otherwise) of at most ``max_body_bytes`` (413 past it).
-    The host creates and closes ``llm``.
+    ``allowed_origins``: browser origins allowed to call the app (CORS, Starlette's middleware;
+    ``["*"]`` for any); None: no CORS headers, as before. The host creates and closes ``llm``.
     """
     if getattr(llm, "tokenizer", True) is None:
         raise ConfigError("the server needs a tokenizer (chat templates, text prompts and outputs, logprobs): "
@@ -75,10 +79,17 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
         route("/tokenize", tokenize, "POST"),
         route("/detokenize", detokenize, "POST"),
         route("/health", health, "GET", auth=False),
+        route("/ping", health, "GET", auth=False),
+        route("/version", version, "GET", auth=False),
         route("/metrics", metrics, "GET", auth=False),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_exception_handler,
-                                                        Exception: _internal_error})
+    middleware = []
+    if allowed_origins is not None:
+        origins = _origins(allowed_origins)
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                                     allow_headers=["*"], allow_credentials="*" not in origins))
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: http_exception_handler, Exception: _internal_error})
     app.state.asyncllm = ctx  # for hosts and tests: the engine, model name and metrics registry
     return app
 
@@ -232,6 +243,24 @@ async def health(ctx: ServerContext, request: Request) -> Response:
     """200 while the engine runs; 503 once it died or was closed."""
     await ctx.llm.check_health()
     return Response(status_code=200)
+
+
+async def version(ctx: ServerContext, request: Request) -> Response:
+    """``{"version": ...}``: the asyncllm package's version."""
+    from .. import __version__
+
+    return JSONResponse({"version": __version__})
+
+
+def _origins(allowed: Iterable[str]) -> list[str]:
+    """Validated CORS origins: "*" or scheme://host[:port] each (ConfigError naming a bad one)."""
+    if isinstance(allowed, str):
+        allowed = [allowed]
+    origins = list(allowed)
+    for origin in origins:
+        if not isinstance(origin, str) or not (origin == "*" or "://" in origin) or origin.endswith("/"):
+            raise ConfigError(f"allowed_origins: {origin!r} is not an origin such as 'https://app.example.com' or '*'")
+    return origins
 
 
 async def metrics(ctx: ServerContext, request: Request) -> Response:

@@ -55,7 +55,8 @@ def main(args: argparse.Namespace) -> None:
             asyncio.run(_load_loras(llm, loras))
             app = create_app(llm, model_name=args.model_name, api_key=args.api_key,
                              allow_lora_loading=args.enable_lora_loading or False,
-                             max_body_bytes=args.max_body_bytes)
+                             max_body_bytes=args.max_body_bytes,
+                             allowed_origins=_origins(args.allowed_origins))
         except AsyncLLMError as exc:
             raise SystemExit(f"asyncllm serve: {exc}") from None
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
@@ -70,6 +71,12 @@ def main(args: argparse.Namespace) -> None:
     finally:
         llm.close()
     print("asyncllm serve: stopped", file=sys.stderr)
+
+
+def _origins(values: list[str]) -> list[str] | None:
+    """``--allowed-origins`` values (repeatable, or comma-separated), or None when not given."""
+    origins = [part.strip() for value in values for part in value.split(",") if part.strip()]
+    return origins or None
 
 
 async def _load_loras(llm, loras: list[tuple[str, str]]) -> None:

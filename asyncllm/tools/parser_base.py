@@ -51,15 +51,24 @@ class ToolParser:
         self._run(final=False)
         return self._take()
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The text has ended: resolve what was held back (an unfinished call keeps what it had)."""
-        self._run(final=True)
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """The text has ended: resolve what was held back (an unfinished call keeps what it had).
+
+        ``cut``: the text was cut short (``max_tokens``, the context length) rather than ended by
+        the model, so a held-back beginning of a call marker, or a call object that does not name
+        its function yet, is the start of a call that never finished, not content: it is dropped."""
+        self._run(final=not cut)
+        # whitespace before a call that was dropped is not content either
+        dropped = cut and (bool(self._buf) or self._state != _CONTENT)
         if self._state == _OBJECT and self._scanner is not None:
-            self._end_call(self._scanner)
-        elif self._buf:
+            if cut and not self._scanner.valid:
+                self._scanner = None
+            else:
+                self._end_call(self._scanner)
+        elif self._buf and not cut:
             self._emit_content(self._buf)
         self._buf = ""
-        if not self._num_calls:
+        if not self._num_calls and not dropped:
             self._content.append(self._held_ws)
         self._held_ws = ""
         return self._take()

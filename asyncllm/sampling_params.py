@@ -66,6 +66,8 @@ class SamplingParams:
     use_beam_search: bool = False        # beam search with best_of (or n) beams (docs/decoding.md)
     length_penalty: float = 1.0          # beam search: hypothesis score = logprob sum / length**length_penalty
     early_stopping: bool | str = False   # beam search: True, False (transformers' heuristic) or "never"
+    bad_words: list[str] | None = None   # words never generated (their last token is banned after the rest)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
     @classmethod
     def from_kwargs(cls, params: "SamplingParams | None", kwargs: dict[str, Any]) -> "SamplingParams":
@@ -108,6 +110,15 @@ class SamplingParams:
                 _fail(name, f"expected a boolean, got {getattr(self, name)!r}")
         self._validate_structured()
         self._validate_best_of(max_n)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip()
+                                                                          for w in self.bad_words):
+                _fail("bad_words", "expected a list of non-empty strings")
+            self.bad_words = list(self.bad_words)
+        if self.truncate_prompt_tokens is not None:
+            _check_number("truncate_prompt_tokens", self.truncate_prompt_tokens, integer=True)
+            if self.truncate_prompt_tokens < 1:
+                _fail("truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}")
         return self
 
     def _validate_counts(self, max_n: int) -> None:
@@ -230,6 +241,8 @@ class SamplingParams:
                 _fail(name, "not supported with use_beam_search")
         if self.logit_bias:
             _fail("logit_bias", "not supported with use_beam_search")
+        if self.bad_words:
+            _fail("bad_words", "not supported with use_beam_search")
         if self.structured:
             name = next(n for n in _STRUCTURED_FIELDS if getattr(self, n) is not None)
             _fail(name, "structured output is not supported with use_beam_search")

@@ -1,11 +1,16 @@
-"""The server surface clients reach for beyond chat and completions: CORS, /version, /ping."""
+"""The server surface clients reach for beyond chat and completions: CORS, /version, /ping, and
+vLLM's request extras (each tested so that ignoring it fails)."""
+
+import asyncio
+import json
 
 import pytest
 
 from asyncllm import AsyncLLM, __version__
 from asyncllm.errors import ConfigError
 from asyncllm.server import create_app
-from server_helpers import request
+from asyncllm.frontend.prompts import ChatPrompt
+from server_helpers import assert_error, request
 
 PREFLIGHT = {"Origin": "https://app.example.com", "Access-Control-Request-Method": "POST",
              "Access-Control-Request-Headers": "authorization, content-type"}
@@ -56,3 +61,147 @@ def test_serve_allowed_origins_flag():
                                       "--allowed-origins", "http://localhost:3000"])
     assert _origins(args.allowed_origins) == ["https://a.example", "https://b.example", "http://localhost:3000"]
     assert _origins(build_parser().parse_args(["serve", "m"]).allowed_origins) is None
+
+
+# ---- vLLM's request extras ---------------------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "Is the sky blue?"}]
+
+
+def chat(app, **fields):
+    response = request(app, "POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8, **fields})
+    return response
+
+
+@pytest.mark.parametrize("fields, check", [
+    ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+    ({"structured_outputs": {"choice": ["maybe", "never"]}}, lambda text: text in ("maybe", "never")),
+    ({"guided_regex": "[0-9]{3}"}, lambda text: len(text) == 3 and text.isdigit()),
+    ({"structured_outputs": {"regex": "ab+c"}}, lambda text: text.startswith("ab") and text.endswith("c")),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                      "additionalProperties": False}}, lambda text: isinstance(json.loads(text)["a"], int)),
+    ({"structured_outputs": {"json_object": True}}, lambda text: text.startswith("{")),  # (may be cut short)
+], ids=["guided_choice", "so-choice", "guided_regex", "so-regex", "guided_json", "so-json_object"])
+def test_structured_output_extras_constrain_the_answer(llm, fields, check):
+    app = create_app(llm)
+    for endpoint in ("chat", "completions"):
+        if endpoint == "chat":
+            response = chat(app, max_tokens=40, temperature=0.8, seed=1, **fields)
+            text = response.json()["choices"][0]["message"]["content"]
+        else:
+            response = request(app, "POST", "/v1/completions",
+                               json={"prompt": "Answer:", "max_tokens": 40, "temperature": 0.8, "seed": 1, **fields})
+            text = response.json()["choices"][0]["text"]
+        assert response.status_code == 200, response.text
+        assert check(text), (fields, text)
+
+
+def test_structured_output_extras_conflicts_and_refused_fields(llm):
+    app = create_app(llm)
+    assert_error(chat(app, guided_choice=["a"], guided_regex="b"), 400, "guided_choice")
+    assert_error(chat(app, response_format={"type": "json_object"}, structured_outputs={"choice": ["a"]}), 400,
+                 "structured_outputs")
+    assert_error(chat(app, structured_outputs={"structural_tag": "x"}), 400, "structured_outputs")
+    assert_error(chat(app, guided_regex="("), 400, "guided_regex")  # the grammar engine's refusal, named
+    for name, value in (("guided_whitespace_pattern", " "), ("logits_processors", ["x"]),
+                        ("allowed_token_ids", [1, 2])):
+        assert_error(chat(app, **{name: value}), 400, name)
+    assert chat(app, some_future_openai_field=1).status_code == 200  # unknown fields: accepted, ignored
+
+
+@pytest.fixture(scope="module")
+def thinking_llm(model_dirs, tmp_path_factory):
+    """The test model with a chat template that reads ``enable_thinking`` (as Qwen3's does)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(model_dirs["llama"], path)
+    template = path / "chat_template.jinja"
+    template.write_text(template.read_text() +
+                        "{% if enable_thinking is defined and enable_thinking %}{{ '<think>' }}{% endif %}")
+    llm = AsyncLLM(str(path), dtype="float32")
+    yield llm
+    llm.close()
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_llm):
+    app = create_app(thinking_llm)
+    plain = chat(app).json()["usage"]["prompt_tokens"]
+    thinking = chat(app, chat_template_kwargs={"enable_thinking": True}).json()["usage"]["prompt_tokens"]
+    assert thinking > plain
+    tokenized = asyncio.run(thinking_llm.generate(ChatPrompt(CHAT, chat_template_kwargs={"enable_thinking": True}),
+                                                  max_tokens=1))
+    assert tokenized.prompt.endswith("<think>")
+    assert_error(chat(app, chat_template_kwargs={"tokenize": True}), 400, "chat_template_kwargs")
+
+
+def test_continue_final_message_and_echo(llm):
+    app = create_app(llm)
+    partial = CHAT + [{"role": "assistant", "content": "The answer is"}]
+    body = {"messages": partial, "max_tokens": 6, "temperature": 0}
+    opened = request(app, "POST", "/v1/chat/completions", json=body).json()
+    continued = request(app, "POST", "/v1/chat/completions",
+                        json={**body, "continue_final_message": True, "echo": True}).json()
+    # the open assistant turn is not closed (no end-of-turn, no new assistant header)
+    assert continued["usage"]["prompt_tokens"] < opened["usage"]["prompt_tokens"]
+    assert continued["choices"][0]["message"]["content"].startswith("The answer is")
+    direct = asyncio.run(llm.generate(ChatPrompt(partial, add_generation_prompt=False, continue_final_message=True),
+                                      max_tokens=1))
+    assert direct.prompt.endswith("The answer is")
+    assert_error(request(app, "POST", "/v1/chat/completions",
+                         json={**body, "continue_final_message": True, "add_generation_prompt": True}),
+                 400, "continue_final_message")
+    streamed = request(app, "POST", "/v1/chat/completions",
+                       json={**body, "continue_final_message": True, "echo": True, "stream": True})
+    pieces = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    text = "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces if p["choices"])
+    assert text == continued["choices"][0]["message"]["content"]
+
+
+def test_prompt_logprobs_and_tokens_as_ids(llm):
+    app = create_app(llm)
+    answer = chat(app, prompt_logprobs=2, logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True).json()
+    prompt_lps = answer["prompt_logprobs"]
+    assert len(prompt_lps) == answer["usage"]["prompt_tokens"] and prompt_lps[0] is None
+    assert all(2 <= len(entry) <= 3 for entry in prompt_lps[1:])
+    assert all(e["decoded_token"].startswith("token_id:") for entry in prompt_lps[1:] for e in entry.values())
+    tokens = answer["choices"][0]["logprobs"]["content"]
+    assert tokens and all(t["token"].startswith("token_id:") for t in tokens)
+    assert "prompt_logprobs" not in chat(app).json()
+    completion = request(app, "POST", "/v1/completions",
+                         json={"prompt": "Hello there", "max_tokens": 3, "prompt_logprobs": 1, "logprobs": 1,
+                               "return_tokens_as_token_ids": True}).json()
+    choice = completion["choices"][0]
+    assert len(choice["prompt_logprobs"]) == completion["usage"]["prompt_tokens"]
+    assert all(t.startswith("token_id:") for t in choice["logprobs"]["tokens"])
+
+
+def test_bad_words_are_never_generated(llm):
+    app = create_app(llm)
+    prompt = [11, 57, 300, 812, 45]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    free = asyncio.run(llm.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True)).outputs[0]
+    tokenizer = llm.tokenizer
+    # a generated token whose text encodes back to it: banning that text bans the token
+    token = next(t for t in free.token_ids[1:] if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False)
+                 == [t] and tokenizer.decode([t]).strip())
+    word = tokenizer.decode([token])
+    banned = asyncio.run(llm.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True,
+                                      bad_words=[word])).outputs[0]
+    assert token in free.token_ids and token not in banned.token_ids
+    over_http = request(app, "POST", "/v1/completions", json={**body, "bad_words": [word]}).json()
+    assert over_http["choices"][0]["text"] == banned.text
+    assert_error(request(app, "POST", "/v1/completions", json={**body, "bad_words": [""]}), 400, "bad_words")
+
+
+def test_truncate_prompt_tokens_keeps_the_end(llm):
+    app = create_app(llm)
+    long_prompt = list(range(20, 20 + llm.max_model_len + 50))  # longer than the context
+    body = {"prompt": long_prompt, "max_tokens": 2, "truncate_prompt_tokens": 16, "temperature": 0}
+    response = request(app, "POST", "/v1/completions", json=body)
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 16
+    short = request(app, "POST", "/v1/completions", json={**body, "prompt": long_prompt[-16:]}).json()
+    assert response.json()["choices"][0]["text"] == short["choices"][0]["text"]
+    assert_error(request(app, "POST", "/v1/completions", json={**body, "truncate_prompt_tokens": 0}), 400,
+                 "truncate_prompt_tokens")

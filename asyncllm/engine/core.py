@@ -405,7 +405,7 @@ class EngineCore:
         blocked = self.stop_checker.min_tokens_blocked(seq.params) if seq.params.min_tokens else []
         output = seq.output_token_ids + list(drafts) if drafts else seq.output_token_ids
         return SamplingRow(seq.params, seq.token_ids[:seq.num_prompt_tokens], output,
-                           seq.generator, blocked, grammar if drafts else seq.grammar)
+                           seq.generator, blocked, grammar if drafts else seq.grammar, seq.request.bad_words_ids)
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int) -> str | None:

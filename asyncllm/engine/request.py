@@ -40,6 +40,7 @@ class EngineRequest:
     num_unfinished: int = 0             # the engine's count of this request's sequences still running
     priority: int = 0                   # lower runs first (scheduler.py); equal priorities: arrival order
     beam_stop: Any = None               # beam search with stop strings: token ids -> the stop string they end with
+    bad_words_ids: list[list[int]] | None = None  # SamplingParams.bad_words as token id sequences
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.cache_salt is None:

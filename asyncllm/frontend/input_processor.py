@@ -12,7 +12,7 @@ from ..sampling_params import DEFAULT_MAX_N, SamplingParams
 from ..structured import GrammarCompiler, GrammarTemplate
 from ..tools import ToolContext, build_tool_context, parser_class
 from .generation_defaults import sampling_defaults
-from .prompts import Prompt, check_prompt_length, tokenize_prompt
+from .prompts import Prompt, check_prompt_length, is_chat, tokenize_prompt
 from .stop_strings import StopStringEnds
 
 _counter = itertools.count()
@@ -66,8 +66,12 @@ class InputProcessor:
         if tool_context is not None and not _is_chat(prompt):
             raise InvalidRequestError("tools: only allowed with a chat (list of messages) prompt", field="tools")
         grammar = self._grammar(params, tool_context)
+        truncate = params.truncate_prompt_tokens
+        # a prompt to be truncated may be longer than the context: only its tail has to fit
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, tools, self.tool_parser,
-                                    self.max_model_len)
+                                    None if truncate else self.max_model_len)
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[-truncate:]
         check_prompt_length(len(ids), self.max_model_len)
         max_tokens = self._max_tokens(params, len(ids))
         if request_id is None:
@@ -78,6 +82,8 @@ class InputProcessor:
                                 grammar=grammar, tool_context=tool_context, priority=priority)
         if params.use_beam_search and params.stop_strings:  # beams end on stop strings as on end tokens
             request.beam_stop = StopStringEnds(self.tokenizer, params.stop_strings)
+        if params.bad_words:
+            request.bad_words_ids = self._bad_words_ids(params.bad_words)
         return text, request
 
     def needs_worker(self, prompt: Any, params: SamplingParams | None, sampling_kwargs: dict[str, Any],
@@ -89,7 +95,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if len(prompt) > WORKER_PROMPT_CHARS:
                 return True
-        elif not isinstance(prompt, (list, tuple)) or len(prompt) > WORKER_PROMPT_IDS \
+        elif is_chat(prompt) or not isinstance(prompt, (list, tuple)) or len(prompt) > WORKER_PROMPT_IDS \
                 or any(isinstance(item, dict) for item in prompt):
             return True
         for name, value in sampling_kwargs.items():
@@ -98,6 +104,19 @@ class InputProcessor:
             if isinstance(value, (str, list, tuple, dict)) and len(value) > WORKER_FIELD_ITEMS:
                 return True
         return False
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (a word inside a sentence is
+        usually tokenized with its leading space)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words: needs a tokenizer (skip_tokenizer_init=True)", field="bad_words")
+        sequences = []
+        for word in words:
+            for variant in {word, word if word.startswith(" ") else " " + word}:
+                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """``max_tokens`` checked against what the context leaves; omitted (None): all of it."""
@@ -146,8 +165,7 @@ def _check_token_only(prompt: Any, params: SamplingParams, tools: list | None) -
             raise InvalidRequestError(f"{name}: needs a tokenizer; {why}", field=name)
 
 
-def _is_chat(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and any(isinstance(m, dict) for m in prompt)
+_is_chat = is_chat
 
 
 def make_input_processor(engine, tokenizer, tool_parser: str | None = None) -> InputProcessor:

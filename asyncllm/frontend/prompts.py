@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 from ..errors import InvalidRequestError, short_repr
@@ -9,7 +10,51 @@ from ..tools.prompting import prepare_messages
 from .messages import check_utf8, validate_messages
 from .tokenizing import TooManyTokens, encode_text, max_prompt_chars
 
-Prompt = Union[str, list[int], list[dict[str, Any]]]
+# keys of apply_chat_template that ChatPrompt sets itself: chat_template_kwargs may not override them
+_RESERVED_TEMPLATE_KEYS = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
+                           "continue_final_message", "return_dict", "return_tensors"}
+
+
+@dataclass
+class ChatPrompt:
+    """Chat messages with the template's options (a prompt like a plain list of messages).
+
+    ``add_generation_prompt``: open the assistant's turn (the default); ``continue_final_message``:
+    leave the last message open so that the model continues its text (e.g. a partial assistant
+    answer), instead; ``chat_template_kwargs``: extra variables of the template (such as Qwen3's
+    ``enable_thinking``)."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """InvalidRequestError naming the bad option."""
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name}: expected a boolean", field=name)
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError("continue_final_message: cannot be combined with add_generation_prompt "
+                                      "(set add_generation_prompt to false)", field="continue_final_message")
+        kwargs = self.chat_template_kwargs
+        if kwargs is None:
+            self.chat_template_kwargs = {}
+        elif not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise InvalidRequestError("chat_template_kwargs: expected an object of template variables",
+                                      field="chat_template_kwargs")
+        elif reserved := sorted(set(kwargs) & _RESERVED_TEMPLATE_KEYS):
+            raise InvalidRequestError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
+                                      field="chat_template_kwargs")
+
+
+Prompt = Union[str, list[int], list[dict[str, Any]], ChatPrompt]
+
+
+def is_chat(prompt: Any) -> bool:
+    """A list of chat messages, or a ChatPrompt."""
+    return isinstance(prompt, ChatPrompt) or (
+        isinstance(prompt, (list, tuple)) and bool(prompt) and any(isinstance(m, dict) for m in prompt))
 
 
 def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | None = None,
@@ -26,8 +71,10 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
             raise InvalidRequestError(str(exc), field="prompt") from None
         _check_text_length(prompt, tokenizer, max_model_len, "prompt")
         return prompt, _encode(tokenizer, prompt, True, max_model_len)
-    if isinstance(prompt, (list, tuple)) and prompt and any(isinstance(m, dict) for m in prompt):
-        text = render_chat(list(prompt), tokenizer, tools, tool_parser)
+    if is_chat(prompt):
+        chat = prompt if isinstance(prompt, ChatPrompt) else ChatPrompt(list(prompt))
+        chat.check()
+        text = render_chat(list(chat.messages), tokenizer, tools, tool_parser, chat)
         _check_text_length(text, tokenizer, max_model_len, "messages")
         return text, _encode(tokenizer, text, False, max_model_len)
     if isinstance(prompt, (list, tuple)) and prompt:
@@ -58,7 +105,7 @@ def _check_text_length(text: str, tokenizer, max_model_len: int | None, field: s
 
 
 def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = None,
-                tool_parser: str = "hermes") -> str:
+                tool_parser: str = "hermes", options: ChatPrompt | None = None) -> str:
     """Apply the tokenizer's chat template, ready for the assistant's reply.
 
     Tools (and earlier tool calls) reach the prompt even when the template ignores them: they are
@@ -67,8 +114,11 @@ def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = 
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages: this model's tokenizer has no chat template", field="messages")
     messages, tools = prepare_messages(messages, tools, tokenizer, tool_parser)
+    options = options or ChatPrompt(messages)
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=options.add_generation_prompt,
+                                             continue_final_message=options.continue_final_message, tokenize=False,
+                                             **options.chat_template_kwargs)
     except Exception as exc:  # jinja raises many kinds of errors for malformed messages
         raise InvalidRequestError(f"messages: cannot render the chat template: {exc}", field="messages") from exc
 

@@ -26,6 +26,7 @@ class SamplingRow:
     generator: torch.Generator | None
     min_tokens_blocked: list[int]  # token ids forbidden while min_tokens is not reached
     grammar: GrammarState | None = None  # structured output: only the tokens it allows may be sampled
+    bad_words: list[list[int]] | None = None  # token sequences never completed (SamplingParams.bad_words)
 
 
 @dataclass
@@ -53,6 +54,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_top else None
     logits = raw.clone() if any(_modifies_logits(r) for r in rows) else raw
     _apply_logit_bias(logits, rows)
+    _apply_bad_words(logits, rows)
     _apply_min_tokens(logits, rows)
     _apply_penalties(logits, rows)
     _apply_grammars(logits, rows)
@@ -92,13 +94,14 @@ def _greedy_grammar_only(row: SamplingRow) -> bool:
     """Greedy, no top logprobs, no logits processor but (maybe) a grammar."""
     p = row.params
     return (p.greedy and p.logprobs is None and not p.logit_bias and not row.min_tokens_blocked
-            and not _has_penalty(p))
+            and not _has_penalty(p) and not row.bad_words)
 
 
 def _modifies_logits(row: SamplingRow) -> bool:
     """Whether any logits processor below will write to this row (otherwise the raw logits are used as is)."""
     p = row.params
-    return bool(p.logit_bias) or bool(row.min_tokens_blocked) or _has_penalty(p) or row.grammar is not None
+    return (bool(p.logit_bias) or bool(row.min_tokens_blocked) or _has_penalty(p) or row.grammar is not None
+            or bool(row.bad_words))
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -107,6 +110,19 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             ids = torch.tensor(list(row.params.logit_bias), device=logits.device)
             bias = torch.tensor(list(row.params.logit_bias.values()), device=logits.device)
             logits[i].index_add_(0, ids, bias)
+
+
+def _apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Ban the token that would complete a bad word: a one-token word always, a longer one when the
+    output ends with the rest of it."""
+    for i, row in enumerate(rows):
+        if not row.bad_words:
+            continue
+        output = row.output_token_ids
+        banned = [ids[-1] for ids in row.bad_words
+                  if len(ids) == 1 or (len(output) >= len(ids) - 1 and output[len(output) - len(ids) + 1:] == ids[:-1])]
+        if banned:
+            logits[i, banned] = float("-inf")
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..outputs import RequestOutput
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, prompt_logprobs_json
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, DeltaMessage)
 from .serving import (ServerContext, UsageCounter, check_not_aborted, chunk_json, collect, merged, open_streams,
@@ -22,9 +22,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     body = await parse_body(request, ChatCompletionRequest)
     lora = ctx.resolve_model(body.model)
     kwargs = body.sampling_kwargs()  # its own errors already name the request's parameters
-    messages = [m.to_template_dict() for m in body.messages]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await open_streams(ctx, request, [messages], kwargs, request_id=request_id, lora=lora,
+    streams = await open_streams(ctx, request, [body.chat_prompt()], kwargs, request_id=request_id, lora=lora,
                                  tools=body.tools, param_for=body.param_for)
     model = body.model or ctx.model_name
     if body.stream:
@@ -38,15 +37,21 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, 
     usage = UsageCounter()
     usage.add(0, output)
     choices = []
+    as_ids = bool(body.return_tokens_as_token_ids)
+    echoed = body.echoed()
     for c in output.outputs:
         logprobs = None
         if body.logprobs:
-            logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0)
-        message = AssistantMessage(content=c.text)
+            logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0, as_ids)
+        message = AssistantMessage(content=echoed + c.text)
         if c.tool_calls:  # as OpenAI: the calls, and content only if the model wrote some besides
-            message = AssistantMessage(content=c.text or None, tool_calls=[t.to_openai() for t in c.tool_calls])
+            message = AssistantMessage(content=(echoed + c.text) or None,
+                                       tool_calls=[t.to_openai() for t in c.tool_calls])
         choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=c.finish_reason))
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info())
+    prompt_lps = prompt_logprobs_json(ctx.llm.tokenizer, output.prompt_logprobs, as_ids) \
+        if body.prompt_logprobs is not None else None
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info(),
+                                  prompt_logprobs=prompt_lps)
 
 
 async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, model: str,
@@ -59,14 +64,19 @@ async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
                                               choices=[choice] if choice else [], usage=usage), body.include_usage)
 
     usage = UsageCounter()
+    echoed = body.echoed()
     for index in range(body.n):
         yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        if echoed:  # the continued message first, as its own content delta
+            yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=echoed)))
+    as_ids = bool(body.return_tokens_as_token_ids)
     async for position, delta in merged(streams):
         usage.add(position, delta)
         for c in delta.outputs:
             logprobs = None
             if body.logprobs and c.token_ids:
-                logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0)
+                logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0,
+                                         as_ids)
             if c.text or logprobs:
                 yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs))
             if c.tool_calls:  # OpenAI's order: a call's index, id and name first, then argument pieces

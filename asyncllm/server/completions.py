@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..outputs import CompletionOutput, RequestOutput
-from .logprobs import CompletionLogprobsBuilder
+from .logprobs import CompletionLogprobsBuilder, prompt_logprobs_json
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from .serving import (ServerContext, UsageCounter, check_not_aborted, chunk_json, collect, merged, open_streams,
                       parse_body, sse_response)
@@ -40,8 +40,9 @@ class _Choice:
     def __init__(self, ctx: ServerContext, body: CompletionRequest) -> None:
         self.tokenizer = ctx.llm.tokenizer
         self.echo = body.echo
-        self.logprobs = CompletionLogprobsBuilder(self.tokenizer, body.logprobs) if body.logprobs is not None \
-            else None
+        as_ids = bool(body.return_tokens_as_token_ids)
+        self.logprobs = CompletionLogprobsBuilder(self.tokenizer, body.logprobs, as_ids) \
+            if body.logprobs is not None else None
         self.started = False
 
     def render(self, output: RequestOutput, c: CompletionOutput) -> tuple[str, CompletionLogprobs | None]:
@@ -65,8 +66,12 @@ def _response(ctx: ServerContext, body: CompletionRequest, request_id: str, mode
         usage.add(position, output)
         for c in output.outputs:
             text, logprobs = _Choice(ctx, body).render(output, c)
+            prompt_lps = None
+            if body.prompt_logprobs is not None:
+                prompt_lps = prompt_logprobs_json(ctx.llm.tokenizer, output.prompt_logprobs,
+                                                  bool(body.return_tokens_as_token_ids))
             choices.append(CompletionChoice(index=position * body.n + c.index, text=text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason))
+                                            finish_reason=c.finish_reason, prompt_logprobs=prompt_lps))
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info())
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
@@ -14,8 +14,12 @@ def _clamp(value: float) -> float:
     return max(value, _FLOOR)
 
 
-def token_text(tokenizer, token_id: int) -> str:
-    """A token as text (special tokens included), as OpenAI shows it in logprobs."""
+def token_text(tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A token as text (special tokens included), as OpenAI shows it in logprobs; ``as_id``
+    (vLLM's ``return_tokens_as_token_ids``): ``"token_id:<id>"``, unambiguous where pieces of a
+    character decode to nothing readable."""
+    if as_id:
+        return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
@@ -24,18 +28,30 @@ def _top(entries: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entries.items(), key=lambda item: item[1], reverse=True)[:k]
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], top_k: int) -> ChatLogprobs:
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], top_k: int,
+                  as_ids: bool = False) -> ChatLogprobs:
     """``choices[i].logprobs`` of a chat completion (or chunk)."""
     content = []
     for token_id, entries in zip(token_ids, logprobs):
-        chosen = _top_logprob(tokenizer, token_id, entries.get(token_id, _FLOOR))
-        top = [_top_logprob(tokenizer, tid, lp) for tid, lp in _top(entries, top_k)]
+        chosen = _top_logprob(tokenizer, token_id, entries.get(token_id, _FLOOR), as_ids)
+        top = [_top_logprob(tokenizer, tid, lp, as_ids) for tid, lp in _top(entries, top_k)]
         content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
-def _top_logprob(tokenizer, token_id: int, logprob: float) -> TopLogprob:
-    text = token_text(tokenizer, token_id)
+def prompt_logprobs_json(tokenizer, entries: list[dict[int, float] | None] | None,
+                         as_ids: bool = False) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {"logprob",
+    "decoded_token"}}`` for the actual token and the top-k."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(tid): {"logprob": _clamp(lp), "decoded_token": token_text(tokenizer, tid, as_ids)}
+             for tid, lp in entry.items()} for entry in entries]
+
+
+def _top_logprob(tokenizer, token_id: int, logprob: float, as_id: bool = False) -> TopLogprob:
+    text = token_text(tokenizer, token_id, as_id)
     return TopLogprob(token=text, logprob=_clamp(logprob), bytes=list(text.encode()))
 
 
@@ -43,24 +59,25 @@ class CompletionLogprobsBuilder:
     """Legacy completions logprobs (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)
     for one choice, kept across stream chunks so text offsets continue."""
 
-    def __init__(self, tokenizer, top_k: int) -> None:
+    def __init__(self, tokenizer, top_k: int, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self.top_k = top_k
+        self.as_ids = as_ids
         self.offset = 0  # characters of the choice's text so far
 
     def build(self, token_ids: list[int], logprobs: list[Optional[dict[int, float]]]) -> CompletionLogprobs:
         """Logprobs of these tokens; an entry of None (a prompt's first token) has no logprob."""
         out = CompletionLogprobs()
         for token_id, entries in zip(token_ids, logprobs):
-            text = token_text(self.tokenizer, token_id)
+            text = token_text(self.tokenizer, token_id, self.as_ids)
             out.tokens.append(text)
             out.text_offset.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(token_text(self.tokenizer, token_id) if self.as_ids else text)  # offsets in the text
             if entries is None:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(_clamp(entries.get(token_id, _FLOOR)))
-            out.top_logprobs.append({token_text(self.tokenizer, tid): _clamp(lp)
+            out.top_logprobs.append({token_text(self.tokenizer, tid, self.as_ids): _clamp(lp)
                                      for tid, lp in _top(entries, self.top_k)})
         return out

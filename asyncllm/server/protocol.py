@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ..errors import InvalidRequestError
 from ..frontend.messages import ChatMessage, TextContentPart  # noqa: F401 - part of the protocol
+from ..frontend.prompts import ChatPrompt  # noqa: F401 - chat_prompt() returns one
 
 
 class _Request(BaseModel):
@@ -57,6 +58,8 @@ class ResponseFormat(_Request):
 class _SamplingFields(_Request):
     """Fields shared by both endpoints: OpenAI's, then vLLM's sampling extras."""
 
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept (ignored) to spot refused ones
+
     model: Optional[str] = None
     n: int = 1
     temperature: Optional[float] = None
@@ -84,12 +87,27 @@ class _SamplingFields(_Request):
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     early_stopping: Union[bool, Literal["never"], None] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    # structured output, vLLM's names: structured_outputs {json, regex, choice, grammar, json_object}
+    # and the older guided_json / guided_regex / guided_choice / guided_grammar
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     _passthrough: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "seed",
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
         "include_stop_str_in_output", "skip_special_tokens", "best_of", "use_beam_search", "length_penalty",
-        "early_stopping")
+        "early_stopping", "bad_words", "truncate_prompt_tokens", "prompt_logprobs")
+    # vLLM request fields this server knows and cannot honour: a 400, never silence
+    _refused: ClassVar[tuple[str, ...]] = (
+        "guided_whitespace_pattern", "guided_decoding_backend", "logits_processors", "allowed_token_ids",
+        "mm_processor_kwargs", "documents", "kv_transfer_params", "vllm_xargs")
 
     @property
     def include_usage(self) -> bool:
@@ -102,11 +120,44 @@ class _SamplingFields(_Request):
         kwargs = {name: getattr(self, name) for name in self._passthrough if getattr(self, name) is not None}
         if self.stop:  # OpenAI treats an empty list as no stop
             kwargs["stop"] = self.stop
-        if self.response_format is not None and self.response_format.type != "text":
-            kwargs["json_schema"] = self.response_format.schema()
+        for name in self._refused:
+            if (self.model_extra or {}).get(name) is not None:
+                raise InvalidRequestError(f"{name}: not supported by this server", field=name)
+        kwargs.update(self._structured_kwargs())
         if self.priority is not None:  # binds to stream_outputs' own keyword, beside the sampling ones
             kwargs["priority"] = self.priority
         return kwargs
+
+    def _structured_kwargs(self) -> dict[str, Any]:
+        """The one structured-output constraint of the request, from whichever name carried it."""
+        given: list[tuple[str, str, Any]] = []  # (request parameter, SamplingParams field, value)
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append(("response_format", "json_schema", self.response_format.schema()))
+        if self.structured_outputs is not None:
+            names = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+            for key, value in self.structured_outputs.items():
+                if key == "json_object" and value:
+                    given.append(("structured_outputs", "json_schema", {"type": "object"}))
+                elif key in names and value is not None:
+                    given.append(("structured_outputs", names[key], value))
+                elif key not in names and key != "json_object" and value is not None:
+                    raise InvalidRequestError(f"structured_outputs: {key!r} is not supported (json, regex, choice, "
+                                              "grammar, json_object are)", field="structured_outputs")
+        for name, target in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                             ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append((name, target, getattr(self, name)))
+        if len(given) > 1:
+            raise InvalidRequestError(f"{given[1][0]}: only one structured-output constraint per request (also "
+                                      f"given: {given[0][0]})", field=given[1][0])
+        return {target: value for _, target, value in given}
+
+    def structured_source(self) -> str:
+        """The request parameter that carried the structured-output constraint (for error messages)."""
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "response_format"
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -120,6 +171,27 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
+    # vLLM's chat extras
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: Optional[bool] = None
+    continue_final_message: bool = False
+    echo: bool = False
+
+    def chat_prompt(self) -> "ChatPrompt":
+        """The messages with the template options (``add_generation_prompt`` defaults to the opposite
+        of ``continue_final_message``)."""
+        add = self.add_generation_prompt if self.add_generation_prompt is not None else not self.continue_final_message
+        return ChatPrompt([m.to_template_dict() for m in self.messages], add_generation_prompt=add,
+                          continue_final_message=self.continue_final_message,
+                          chat_template_kwargs=dict(self.chat_template_kwargs or {}))
+
+    def echoed(self) -> str:
+        """With ``echo``: the last message's text when it is the assistant's (the answer continues it)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return ""
+        content = last.to_template_dict().get("content")
+        return content if isinstance(content, str) else ""
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = self.common_sampling_kwargs()
@@ -137,8 +209,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def param_for(self, field: str | None) -> str | None:
         """The request parameter a SamplingParams field came from (for error messages)."""
-        renames = {"prompt": "messages", "logprobs": "top_logprobs", "json_schema": "response_format",
+        renames = {"prompt": "messages", "logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+        if field in ("json_schema", "regex", "choice", "grammar"):
+            return self.structured_source()
         return renames.get(field, field)
 
 
@@ -167,12 +241,16 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("suffix: not supported by this server", field="suffix")
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
-            if self.echo:
+            if self.echo and self.prompt_logprobs is None:
                 kwargs["prompt_logprobs"] = self.logprobs
         return kwargs
 
     def param_for(self, field: str | None) -> str | None:
-        return {"json_schema": "response_format", "prompt_logprobs": "logprobs"}.get(field, field)
+        if field in ("json_schema", "regex", "choice", "grammar"):
+            return self.structured_source()
+        if field == "prompt_logprobs" and self.prompt_logprobs is None:
+            return "logprobs"  # (echo with logprobs asks for them)
+        return field
 
 
 class TokenizeRequest(_Request):
@@ -236,12 +314,14 @@ class ChatChoice(_Response):
 
 
 class ChatCompletionResponse(_Response):
+    _omit_if_none = ("prompt_logprobs",)
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None  # vLLM's, when asked
 
 
 class DeltaMessage(_Response):
@@ -276,10 +356,12 @@ class CompletionLogprobs(_Response):
 
 
 class CompletionChoice(_Response):
+    _omit_if_none = ("prompt_logprobs",)
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None  # vLLM's, when asked
 
 
 class CompletionResponse(_Response):

@@ -45,6 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="inter-token latency target that sizes prefill chunks beside running streams: "
                             "'auto' (3x the decode step, the default), a number of milliseconds, or 'none' "
                             "(throughput mode)")
+    engine = serve.add_argument_group("more engine arguments (docs/api.md; default: the engine's)")
+    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse KV blocks of identical prompt prefixes (default on)")
+    engine.add_argument("--max-loras", type=int, default=None, help="LoRA adapters in one batch")
+    engine.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
+    engine.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in memory")
+    engine.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton", "cpu"])
+    engine.add_argument("--enable-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="CUDA + Triton: replay decode steps as CUDA graphs (default on)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=None)
+    engine.add_argument("--seed", type=int, default=None, help="the engine sampler's seed")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                       help="chat answers carry the model's <think> text as reasoning_content (docs/server.md)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     serve.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
                        help="let browser apps on ORIGIN call the server (CORS; repeatable or comma-separated; "
                             "'*' for any)")

@@ -205,3 +205,88 @@ def test_truncate_prompt_tokens_keeps_the_end(llm):
     assert response.json()["choices"][0]["text"] == short["choices"][0]["text"]
     assert_error(request(app, "POST", "/v1/completions", json={**body, "truncate_prompt_tokens": 0}), 400,
                  "truncate_prompt_tokens")
+
+
+def test_serve_exposes_the_engine_arguments(tmp_path):
+    from asyncllm.cli import build_parser
+    from asyncllm.server.serve import _engine_extras, _read_template
+
+    parse = lambda *flags: build_parser().parse_args(["serve", "m", *flags])  # noqa: E731
+    assert _engine_extras(parse()) == {}  # nothing given: the engine's defaults
+    extras = _engine_extras(parse("--block-size", "32", "--no-enable-prefix-caching", "--max-loras", "2",
+                                  "--max-lora-rank", "16", "--max-cpu-loras", "4", "--attention-backend", "torch",
+                                  "--no-enable-cuda-graphs", "--seed", "7", "--tensor-parallel-size", "1"))
+    assert extras == {"block_size": 32, "enable_prefix_caching": False, "max_loras": 2, "max_lora_rank": 16,
+                      "max_cpu_loras": 4, "attention_backend": "torch", "enable_cuda_graphs": False, "seed": 7,
+                      "tensor_parallel_size": 1}
+    from asyncllm.config import EngineConfig
+    EngineConfig.from_kwargs("m", extras)  # every one is an engine argument
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert _read_template(str(template)) == "{{ messages[0]['content'] }}"
+    assert _read_template("{{ 'x' }}") == "{{ 'x' }}"
+    with pytest.raises(SystemExit, match="chat-template"):
+        _read_template(str(tmp_path / "missing.jinja"))
+
+
+def test_serve_chat_template_and_engine_flags_reach_the_server(model_dirs, tmp_path):
+    import httpx
+
+    from server_helpers import start_serve
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    proc, base = start_serve(str(model_dirs["llama"]), "--dtype", "float32", "--chat-template", str(template),
+                             "--block-size", "8", "--no-enable-prefix-caching", "--allowed-origins", "http://x.test")
+    try:
+        tokens = httpx.post(f"{base}/tokenize", json={"messages": [{"role": "user", "content": "hello"}]}).json()
+        plain = httpx.post(f"{base}/tokenize", json={"prompt": "hello\n", "add_special_tokens": False}).json()
+        assert tokens["tokens"] == plain["tokens"]  # the template given, not the tokenizer's
+        preflight = httpx.options(f"{base}/v1/models", headers={"Origin": "http://x.test",
+                                                               "Access-Control-Request-Method": "GET"})
+        assert preflight.status_code == 200
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=15)
+
+
+# ---- reasoning parsers ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, text, expected", [
+    ("qwen3", "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "Paris.")),
+    ("qwen3", "Paris, no thinking.", ("", "Paris, no thinking.")),
+    ("qwen3", "<think>cut short", ("cut short", "")),
+    ("deepseek_r1", "Let me see.</think>Paris.", ("Let me see.", "Paris.")),
+    ("deepseek_r1", "still thinking", ("still thinking", "")),
+    ("deepseek_r1", "a < b, so</think>\n\nyes", ("a < b, so", "yes")),
+])
+def test_reasoning_splits_any_way_the_text_arrives(kind, text, expected):
+    from asyncllm.server.reasoning import ReasoningSplitter, split_reasoning
+
+    assert split_reasoning(kind, text) == expected
+    for size in (1, 2, 3, 5):
+        splitter = ReasoningSplitter(kind)
+        reasoning = content = ""
+        for start in range(0, len(text), size):
+            r, c = splitter.feed(text[start:start + size])
+            reasoning, content = reasoning + r, content + c
+        r, c = splitter.finish()
+        assert (reasoning + r, content + c) == expected, size
+
+
+def test_reasoning_content_in_chat_whole_and_streamed(llm):
+    """A reasoning output (forced with a choice constraint) comes back with its thinking apart."""
+    app = create_app(llm, reasoning_parser="qwen3")
+    body = {"messages": CHAT, "max_tokens": 40, "temperature": 0,
+            "guided_choice": ["<think>The sky scatters blue light.</think>Yes."]}
+    message = request(app, "POST", "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["reasoning_content"] == "The sky scatters blue light." and message["content"] == "Yes."
+    streamed = request(app, "POST", "/v1/chat/completions", json={**body, "stream": True})
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "The sky scatters blue light."
+    assert "".join(d.get("content") or "" for d in deltas) == "Yes."
+    plain = request(create_app(llm), "POST", "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert "reasoning_content" not in plain and plain["content"].startswith("<think>")
+    with pytest.raises(ConfigError, match="reasoning_parser"):
+        create_app(llm, reasoning_parser="o1")

@@ -29,6 +29,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, ClientDisconnected, from_engine_error, http_exception_handler
 from .metrics import ServerMetrics
+from .reasoning import PARSERS as REASONING_PARSERS
 from .protocol import (DetokenizeRequest, LoadLoRARequest, ModelCard, ModelList, TokenizeRequest,
                        UnloadLoRARequest)
 from .limits import DEFAULT_MAX_BODY_BYTES, lora_roots, read_json_body, resolve_adapter_path
@@ -45,7 +46,7 @@ Handler = Callable[[ServerContext, Request], Awaitable[Response]]
 def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | None = None, *,
                allow_lora_loading: bool | Iterable[str | Path] | None = False,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               allowed_origins: Iterable[str] | None = None) -> Starlette:
+               allowed_origins: Iterable[str] | None = None, reasoning_parser: str | None = None) -> Starlette:
     """An OpenAI-compatible Starlette app serving ``llm``; mount it anywhere or run it as is.
 
     ``model_name`` is what clients pass as ``model`` (default: :func:`default_model_name`).
@@ -54,7 +55,9 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
     ``/v1/load_lora_adapter`` may load adapters from (off by default: the LoRA routes answer 403).
     POST bodies must be JSON (415 otherwise) of at most ``max_body_bytes`` (413 past it).
     ``allowed_origins``: browser origins allowed to call the app (CORS, Starlette's middleware;
-    ``["*"]`` for any); None: no CORS headers, as before. The host creates and closes ``llm``.
+    ``["*"]`` for any); None: no CORS headers, as before. ``reasoning_parser`` ("qwen3" or
+    "deepseek_r1"): chat answers carry the model's thinking as ``reasoning_content``, apart from
+    ``content``. The host creates and closes ``llm``.
     """
     if getattr(llm, "tokenizer", True) is None:
         raise ConfigError("the server needs a tokenizer (chat templates, text prompts and outputs, logprobs): "
@@ -62,9 +65,11 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
     name = model_name or default_model_name(llm)
     if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1:
         raise ConfigError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     ctx = ServerContext(llm=llm, model_name=name, api_key=api_key, metrics=ServerMetrics(llm, name),
                         created=int(time.time()), lora_roots=lora_roots(allow_lora_loading),
-                        max_body_bytes=max_body_bytes)
+                        max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser)
 
     def route(path: str, handler: Handler, method: str, *, auth: bool = True) -> Route:
         return Route(path, _endpoint(ctx, handler, auth, json_body=method == "POST"), methods=[method])

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..outputs import RequestOutput
 from .logprobs import chat_logprobs, prompt_logprobs_json
+from .reasoning import ReasoningSplitter, split_reasoning
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, DeltaMessage)
 from .serving import (ServerContext, UsageCounter, check_not_aborted, chunk_json, collect, merged, open_streams,
@@ -43,9 +44,10 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, 
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0, as_ids)
-        message = AssistantMessage(content=echoed + c.text)
+        reasoning, text = split_reasoning(ctx.reasoning_parser, c.text) if ctx.reasoning_parser else (None, c.text)
+        message = AssistantMessage(content=echoed + text, reasoning_content=reasoning or None)
         if c.tool_calls:  # as OpenAI: the calls, and content only if the model wrote some besides
-            message = AssistantMessage(content=(echoed + c.text) or None,
+            message = AssistantMessage(content=(echoed + text) or None, reasoning_content=reasoning or None,
                                        tool_calls=[t.to_openai() for t in c.tool_calls])
         choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=c.finish_reason))
     prompt_lps = prompt_logprobs_json(ctx.llm.tokenizer, output.prompt_logprobs, as_ids) \
@@ -70,6 +72,8 @@ async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
         if echoed:  # the continued message first, as its own content delta
             yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=echoed)))
     as_ids = bool(body.return_tokens_as_token_ids)
+    splitters = {index: ReasoningSplitter(ctx.reasoning_parser) for index in range(body.n)} \
+        if ctx.reasoning_parser else None
     async for position, delta in merged(streams):
         usage.add(position, delta)
         for c in delta.outputs:
@@ -77,8 +81,16 @@ async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
             if body.logprobs and c.token_ids:
                 logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0,
                                          as_ids)
-            if c.text or logprobs:
-                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs))
+            reasoning, text = None, c.text
+            if splitters is not None:  # thinking streams as reasoning_content deltas, the answer as content
+                reasoning, text = splitters[c.index].feed(c.text)
+                if c.finish_reason is not None:
+                    more_reasoning, more_text = splitters[c.index].finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+            if reasoning:
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(reasoning_content=reasoning)))
+            if text or logprobs:
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs))
             if c.tool_calls:  # OpenAI's order: a call's index, id and name first, then argument pieces
                 calls = [t.to_openai_delta() for t in c.tool_calls]
                 yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(tool_calls=calls)))

@@ -300,9 +300,10 @@ class ChatLogprobs(_Response):
 
 
 class AssistantMessage(_Response):
-    _omit_if_none = ("tool_calls",)
+    _omit_if_none = ("tool_calls", "reasoning_content")
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # with a reasoning parser: the model's thinking
     tool_calls: Optional[list[dict[str, Any]]] = None
 
 
@@ -325,9 +326,10 @@ class ChatCompletionResponse(_Response):
 
 
 class DeltaMessage(_Response):
-    _omit_if_none = ("role", "content", "tool_calls")
+    _omit_if_none = ("role", "content", "reasoning_content", "tool_calls")
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
 
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 GRACEFUL_SHUTDOWN_S = 10
 
@@ -47,16 +48,19 @@ def main(args: argparse.Namespace) -> None:
                        revision=args.revision, quantization=args.quantization,
                        generation_config=args.generation_config, max_itl_ms=args.max_itl_ms,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       speculative_config=args.speculative_config)
+                       speculative_config=args.speculative_config, **_engine_extras(args))
     except AsyncLLMError as exc:  # a bad option value: say which, not a traceback
         raise SystemExit(f"asyncllm serve: {exc}") from None
+    if args.chat_template is not None:
+        llm.tokenizer.chat_template = _read_template(args.chat_template)
     try:
         try:
             asyncio.run(_load_loras(llm, loras))
             app = create_app(llm, model_name=args.model_name, api_key=args.api_key,
                              allow_lora_loading=args.enable_lora_loading or False,
                              max_body_bytes=args.max_body_bytes,
-                             allowed_origins=_origins(args.allowed_origins))
+                             allowed_origins=_origins(args.allowed_origins),
+                             reasoning_parser=args.reasoning_parser)
         except AsyncLLMError as exc:
             raise SystemExit(f"asyncllm serve: {exc}") from None
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
@@ -71,6 +75,25 @@ def main(args: argparse.Namespace) -> None:
     finally:
         llm.close()
     print("asyncllm serve: stopped", file=sys.stderr)
+
+
+ENGINE_EXTRAS = ("block_size", "enable_prefix_caching", "max_loras", "max_lora_rank", "max_cpu_loras",
+                 "attention_backend", "enable_cuda_graphs", "tensor_parallel_size", "seed")
+
+
+def _engine_extras(args) -> dict:
+    """The engine arguments given on the command line (the others keep the engine's defaults)."""
+    return {name: getattr(args, name) for name in ENGINE_EXTRAS if getattr(args, name, None) is not None}
+
+
+def _read_template(value: str) -> str:
+    """``--chat-template``: a file's contents, or the value itself when it is a template."""
+    path = Path(value).expanduser()
+    if "{" not in value and path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise SystemExit(f"asyncllm serve: --chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def _origins(values: list[str]) -> list[str] | None:

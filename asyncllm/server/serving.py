@@ -46,6 +46,7 @@ class ServerContext:
     created: int
     lora_roots: tuple[Path, ...] = ()     # where /v1/load_lora_adapter may read from; () = disabled
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    reasoning_parser: str | None = None   # "qwen3" / "deepseek_r1": reasoning_content apart (reasoning.py)
 
     def resolve_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects (None: the base model); 404 if unknown."""

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator
 
 from .config import EngineConfig
 from .errors import ConfigError
+from .frontend.pooling import model_pooling
 from .engine.core import EngineCore, SequenceOutput
 from .engine.engine_thread import EngineThread
 from .errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError, RequestTimeoutError
@@ -113,6 +114,11 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def default_pooling(self) -> str:
+        """The pooling :meth:`embed` uses by default ("last", or what the checkpoint's config says)."""
+        return model_pooling(self.engine.model_dir)
+
+    @property
     def tool_parser(self) -> str:
         """The tool-call format of this model ("hermes", "llama3_json" or "mistral")."""
         return self.inputs.tool_parser
@@ -161,6 +167,33 @@ class AsyncLLM:
         async for state, _ in self._run(prompt, params, lora, request_id, tool_args, sampling_kwargs,
                                         timeout, priority):
             pass
+        return state.output()
+
+    async def embed(self, prompt: Prompt, *, pooling: str | None = None, lora: Any = None,
+                    request_id: str | None = None, timeout: float | None = None, priority: int = 0,
+                    truncate_prompt_tokens: int | None = None) -> list[float]:
+        """The prompt's embedding: the model's final hidden states (after the last norm), pooled
+        ("last": the last token's, "mean": the average over the prompt; None: as the checkpoint's
+        sentence-transformers config says, else "last") and L2-normalised. It runs through the
+        engine's own forward pass, batched with everything else; nothing is sampled."""
+        output = await self.encode(prompt, pooling=pooling, lora=lora, request_id=request_id, timeout=timeout,
+                                   priority=priority, truncate_prompt_tokens=truncate_prompt_tokens)
+        return output.embedding
+
+    async def encode(self, prompt: Prompt, *, pooling: str | None = None, lora: Any = None,
+                     request_id: str | None = None, timeout: float | None = None, priority: int = 0,
+                     truncate_prompt_tokens: int | None = None) -> RequestOutput:
+        """:meth:`embed`, returning the whole RequestOutput (``embedding``, ``prompt_token_ids``)."""
+        pooling = pooling or self.default_pooling
+        kwargs: dict[str, Any] = {"max_tokens": 1, "temperature": 0.0}
+        if truncate_prompt_tokens is not None:
+            kwargs["truncate_prompt_tokens"] = truncate_prompt_tokens
+        state = None
+        async for state, _ in self._run(prompt, None, lora, request_id, (None, None, None), kwargs, timeout,
+                                        priority, pooling=pooling):
+            pass
+        if state.embedding is None:  # aborted before its prompt was computed
+            raise RequestFailedError(f"request {state.request_id}: ended without an embedding")
         return state.output()
 
     async def abort(self, request_id: str) -> None:
@@ -225,8 +258,8 @@ class AsyncLLM:
         await self.aclose()
 
     # ---- event-loop side --------------------------------------------------------------------------
-    async def _run(self, prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout=None, priority=0
-                   ) -> AsyncIterator[tuple[RequestState, RequestOutput]]:
+    async def _run(self, prompt, params, lora, request_id, tool_args, sampling_kwargs, timeout=None, priority=0,
+                   pooling=None) -> AsyncIterator[tuple[RequestState, RequestOutput]]:
         """``tool_args``: (tools, tool_choice, parallel_tool_calls) as the public methods got them."""
         _check_timeout(timeout)
         with self._lock:
@@ -237,7 +270,7 @@ class AsyncLLM:
         tools, tool_choice, parallel_tool_calls = tool_args
         process = functools.partial(self.inputs.process, prompt, params, request_id or f"req-{uuid.uuid4().hex}",
                                     sampling_kwargs, tools, lora=adapter, tool_choice=tool_choice,
-                                    parallel_tool_calls=parallel_tool_calls, priority=priority)
+                                    parallel_tool_calls=parallel_tool_calls, priority=priority, pooling=pooling)
         if self.inputs.needs_worker(prompt, params, sampling_kwargs, tools):
             text, request = await self.offload(process)  # the loop keeps serving meanwhile
         else:

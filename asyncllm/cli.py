@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--seed", type=int, default=None, help="the engine sampler's seed")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="chat answers carry the model's <think> text as reasoning_content (docs/server.md)")
+    serve.add_argument("--pooling", default=None, choices=["last", "mean"],
+                       help="/v1/embeddings: last-token or mean pooling (default: the model's config, else last)")
     serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                        help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     serve.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",

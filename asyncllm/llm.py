@@ -13,6 +13,7 @@ from .errors import EngineDeadError, InvalidRequestError
 from .frontend.input_processor import make_input_processor
 from .frontend.lora import load_lora
 from .frontend.output_processor import OutputProcessor
+from .frontend.pooling import model_pooling
 from .frontend.prompts import Prompt
 from .model.loader import load_tokenizer
 from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -69,13 +70,32 @@ class LLM:
                                         **tool_args)
                     for i, (p, sp, adapter, prio) in enumerate(zip(prompts, params_list, adapters, priorities))
                     ]  # validate all first
+        return self._run_requests(requests, use_tqdm)
+
+    def embed(self, prompts: Prompt | Seq[Prompt], *, pooling: str | None = None, lora: Any = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool | None = None) -> list[list[float]]:
+        """One embedding per prompt, in order: the final hidden states pooled ("last" token or "mean"
+        over the prompt) and L2-normalised (see ``AsyncLLM.embed``)."""
+        prompts = _as_prompt_list(prompts)
+        adapter = load_lora(self.engine.loras, lora)
+        batch = next(_batch_ids)
+        kwargs: dict[str, Any] = {"max_tokens": 1, "temperature": 0.0}
+        if truncate_prompt_tokens is not None:
+            kwargs["truncate_prompt_tokens"] = truncate_prompt_tokens
+        pooling = pooling or model_pooling(self.engine.model_dir)
+        requests = [self.inputs.process(p, None, request_id=f"emb-{batch}-{i}", sampling_kwargs=dict(kwargs),
+                                        lora=adapter, pooling=pooling) for i, p in enumerate(prompts)]
+        return [out.embedding for out in self._run_requests(requests, use_tqdm, "embedding")]
+
+    def _run_requests(self, requests: list, use_tqdm: bool | None, what: str = "generating") -> list[RequestOutput]:
+        """Step the engine until every request finished; their outputs in order."""
         processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence, self.engine.abort_request)
         for text, request in requests:
             processor.add(request, text)
             self.engine.add_request(request)
         finals: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else False
-        with tqdm(total=len(requests), desc="generating", disable=not show) as progress:
+        with tqdm(total=len(requests), desc=what, disable=not show) as progress:
             try:
                 while len(finals) < len(requests):
                     for state in processor.process(self._step()):

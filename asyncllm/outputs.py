@@ -48,6 +48,7 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (``embed``), else None
 
 
 @dataclass

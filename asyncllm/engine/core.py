@@ -51,6 +51,7 @@ class SequenceOutput:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     serial: int = 0  # EngineRequest.serial: tells a reused request id's new request from the old one
+    embedding: list[float] | None = None  # an embedding request's vector, with its finish
 
 
 class EngineCore:
@@ -219,7 +220,7 @@ class EngineCore:
     def _run(self, batch: ScheduledBatch) -> list[SequenceOutput]:
         rows, plans = self._plan_logits(batch)
         self._prefetch_grammar_masks(batch, plans)
-        logits = self.runner.execute(StepInput.from_batch(batch, rows, self.block_table_rows))
+        logits = self.runner.execute(StepInput.from_batch(batch, rows, self.block_table_rows, self._pool_rows))
         prompt_lps: dict[int, list[dict[int, float]]] = {}
         to_sample: list[tuple[Sequence, int, int]] = []  # (sequence, first logits row, drafts verified)
         to_rank: list[tuple[Sequence, int]] = []
@@ -246,10 +247,32 @@ class EngineCore:
         outputs = self._sample_and_update(logits, to_sample, prompt_lps)
         if to_rank:
             outputs.extend(self._step_beams(logits, to_rank))
+        if self._pools:
+            outputs.extend(self._pool(self.runner.pooled))
         for seq in batch.seqs:  # prompt chunks that sampled nothing still report their logprobs
             if id(seq) in prompt_lps:
                 outputs.append(SequenceOutput(seq.request_id, seq.index, [], [], None, prompt_lps.pop(id(seq)),
                                               serial=seq.request.serial))
+        return outputs
+
+    def _pool(self, hidden: torch.Tensor) -> list[SequenceOutput]:
+        """Embedding requests: fold this step's hidden states in; those whose prompt is complete finish
+        with their (L2-normalised) embedding."""
+        outputs = []
+        for seq, first, count, done in self._pools:
+            if not count:  # last-token pooling, an earlier chunk of the prompt: nothing to keep yet
+                continue
+            rows = hidden[first:first + count]
+            if seq.request.pooling == "mean":
+                total = rows.sum(dim=0)
+                seq.pooled_sum = total if seq.pooled_sum is None else seq.pooled_sum + total
+            if not done:
+                continue
+            vector = seq.pooled_sum / seq.num_tokens if seq.request.pooling == "mean" else rows[-1]
+            vector = torch.nn.functional.normalize(vector, dim=0)
+            output = self._finish(seq, "stop", None, [], [])
+            output.embedding = vector.tolist()
+            outputs.append(output)
         return outputs
 
     def _step_beams(self, logits: torch.Tensor, to_rank: list[tuple[Sequence, int]]) -> list[SequenceOutput]:
@@ -290,12 +313,24 @@ class EngineCore:
 
     def _plan_logits(self, batch: ScheduledBatch):
         """Which flat token positions need logits: each sequence's last one when it samples,
-        and every prompt position whose logprob was asked for (prompt_logprobs)."""
+        and every prompt position whose logprob was asked for (prompt_logprobs); and which need
+        their hidden states (embedding requests: the last position, or every one for mean pooling)."""
         rows: list[int] = []
         plans = []
+        self._pools: list[tuple[Sequence, int, int, bool]] = []  # (sequence, first pool row, rows, last chunk)
+        self._pool_rows: list[int] = []
         flat = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if seq.request.pooling is not None:
+                done = end == seq.num_tokens
+                wanted = range(flat, flat + n) if seq.request.pooling == "mean" else \
+                    range(flat + n - 1, flat + n) if done else range(0)
+                self._pools.append((seq, len(self._pool_rows), len(wanted), done))
+                self._pool_rows.extend(wanted)
+                plans.append((None, None, 0))
+                flat += n
+                continue
             prompt_plan = None
             if seq.wants_prompt_logprobs:
                 lo, hi = max(start, seq.prompt_logprob_pos), min(end, seq.num_prompt_tokens - 1)

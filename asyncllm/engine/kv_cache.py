@@ -34,8 +34,8 @@ class KVCacheManager:
         """Blocks already holding the longest cached prefix of ``seq``'s tokens.
 
         At least one token is always left to compute, so the step still yields logits."""
-        if not self.pool.enable_caching or seq.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position computed
+        if not self.pool.enable_caching or seq.params.prompt_logprobs is not None or seq.request.pooling == "mean":
+            return []  # prompt logprobs and mean pooling need every prompt position computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for i in range(max_blocks):

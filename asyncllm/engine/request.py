@@ -41,6 +41,7 @@ class EngineRequest:
     priority: int = 0                   # lower runs first (scheduler.py); equal priorities: arrival order
     beam_stop: Any = None               # beam search with stop strings: token ids -> the stop string they end with
     bad_words_ids: list[list[int]] | None = None  # SamplingParams.bad_words as token id sequences
+    pooling: str | None = None          # an embedding request: "last" or "mean" over the prompt; nothing sampled
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.cache_salt is None:
@@ -76,6 +77,7 @@ class Sequence:
         # states after each of them (constrained sequences), and the back-off after failed proposals
         self.draft_tokens: list[int] = []
         self.draft_grammars: list = []
+        self.pooled_sum = None                 # embedding requests, mean pooling: hidden states summed so far
         self.spec_hits = 0.0     # decayed counts of accepted drafts and of rejections (speculation.py)
         self.spec_misses = 0.0
         self.spec_cooldown = 0

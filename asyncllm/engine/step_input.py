@@ -31,13 +31,15 @@ class StepInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, done first
     loras: list[Any] = field(default_factory=list)      # per sequence: its adapter's weights, or None
     loras_in_use: set[int] = field(default_factory=set)  # adapter ids of every running sequence
+    pool_rows: list[int] = field(default_factory=list)  # flat positions whose final hidden states are kept
 
     @property
     def num_seqs(self) -> int:
         return len(self.num_new_tokens)
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch, logit_rows: list[int], tables: BlockTableRows) -> "StepInput":
+    def from_batch(cls, batch: ScheduledBatch, logit_rows: list[int], tables: BlockTableRows,
+                   pool_rows: list[int] = ()) -> "StepInput":
         """The record of one scheduled batch; block tables travel as changes to the runner's rows."""
         token_ids: list[int] = []
         starts = []
@@ -52,4 +54,4 @@ class StepInput:
         return cls(token_ids=token_ids, start_positions=starts, num_new_tokens=list(batch.num_new_tokens),
                    block_tables=None, logit_rows=list(logit_rows), table_rows=rows, table_updates=updates,
                    block_copies=list(batch.block_copies), loras=[seq.request.lora for seq in batch.seqs],
-                   loras_in_use=set(batch.loras_in_use))
+                   loras_in_use=set(batch.loras_in_use), pool_rows=list(pool_rows))

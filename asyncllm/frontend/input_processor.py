@@ -49,9 +49,13 @@ class InputProcessor:
     def process(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
                 sampling_kwargs: dict[str, Any] | None = None, tools: list | None = None,
                 cache_salt: Any = None, lora: Any = None, tool_choice: Any = None,
-                parallel_tool_calls: bool | None = None, priority: int = 0) -> tuple[str | None, EngineRequest]:
-        """Tokenize and validate; raises InvalidRequestError naming the bad field."""
+                parallel_tool_calls: bool | None = None, priority: int = 0,
+                pooling: str | None = None) -> tuple[str | None, EngineRequest]:
+        """Tokenize and validate; raises InvalidRequestError naming the bad field. ``pooling`` ("last"
+        or "mean") makes an embedding request: the prompt's hidden states pooled, nothing sampled."""
         check_priority(priority)
+        if pooling not in (None, "last", "mean"):
+            raise InvalidRequestError(f"pooling: expected 'last' or 'mean', got {pooling!r}", field="pooling")
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("params: expected a SamplingParams", field="params")
         # always a private copy: validation normalises fields and the caller may reuse its object
@@ -84,6 +88,7 @@ class InputProcessor:
             request.beam_stop = StopStringEnds(self.tokenizer, params.stop_strings)
         if params.bad_words:
             request.bad_words_ids = self._bad_words_ids(params.bad_words)
+        request.pooling = pooling
         return text, request
 
     def needs_worker(self, prompt: Any, params: SamplingParams | None, sampling_kwargs: dict[str, Any],

@@ -68,6 +68,7 @@ class RequestState:
     # finished; then the n with the highest cumulative log-probability, renumbered 0..n-1
     choose_best: bool = False
     _chosen: list[_SequenceState] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, once computed
 
     def visible(self) -> list[_SequenceState]:
         """The sequences the caller sees: all of them, or with best_of, the chosen n once done."""
@@ -86,7 +87,7 @@ class RequestState:
         """The cumulative output so far."""
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.completion for s in self.visible()], self.finished, self.prompt_logprobs,
-                             self.metrics)
+                             self.metrics, self.embedding)
 
     def take_delta(self) -> RequestOutput:
         """Only what is new since the last call: text safe to show (stop strings held back)."""
@@ -106,7 +107,7 @@ class RequestState:
         if self.prompt_logprobs is not None and not self.prompt_logprobs_sent and self._prompt_logprobs_done():
             prompt_lps, self.prompt_logprobs_sent = self.prompt_logprobs, True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             prompt_lps, self.metrics)
+                             prompt_lps, self.metrics, self.embedding)
 
     def _prompt_logprobs_done(self) -> bool:
         return len(self.prompt_logprobs) >= len(self.prompt_token_ids)
@@ -187,6 +188,8 @@ class OutputProcessor:
             self.abort(state.request_id)
 
     def _apply(self, state: RequestState, seq: _SequenceState, out: SequenceOutput, now: float) -> None:
+        if out.embedding is not None:
+            state.embedding = out.embedding
         if out.prompt_logprobs:
             state.prompt_logprobs.extend(out.prompt_logprobs)
         completion = seq.completion

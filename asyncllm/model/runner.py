@@ -85,6 +85,7 @@ class ModelRunner:
         if not self.weight_format.int8 and self.platform.packed_linears:
             self._pack_cpu_linears()
         self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
+        self.pooled: torch.Tensor | None = None  # hidden states of the last step's pool_rows (execute)
 
     @property
     def cpu_fast_path(self) -> bool:
@@ -130,11 +131,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Run one step; return logits ([len(step.logit_rows), vocab], float32) of the chosen flat positions."""
+        """Run one step; return logits ([len(step.logit_rows), vocab], float32) of the chosen flat positions.
+
+        The final hidden states (after the last norm) of ``step.pool_rows`` are left in ``self.pooled``
+        ([len(pool_rows), hidden], float32) for embeddings."""
         self._copy_blocks(step.block_copies)
         self._prepare_lora(step)
         input_ids, positions, meta = self._prepare(step)
         hidden = self._forward(input_ids, positions, meta)
+        self.pooled = None
+        if step.pool_rows:
+            self.pooled = hidden[torch.tensor(step.pool_rows, device=self.device, dtype=torch.long)].float()
+        if not step.logit_rows:  # a step of embedding prompts only: no LM head
+            return torch.empty(0, self.shape.vocab_size, device=self.device)
         if len(step.logit_rows) != hidden.shape[0] or step.logit_rows != list(range(hidden.shape[0])):
             hidden = hidden[torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)]
         return self.model.compute_logits(hidden).float()

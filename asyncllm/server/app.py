@@ -23,10 +23,12 @@ from starlette.routing import Route
 
 from ..errors import AsyncLLMError, ConfigError, InvalidRequestError, LoRAError
 from ..frontend.messages import check_utf8
+from ..frontend.pooling import POOLINGS
 from ..frontend.prompts import render_chat
 from ..frontend.tokenizing import decode_ids, encode_text
 from .chat import create_chat_completion
 from .completions import create_completion
+from .embeddings import create_embeddings
 from .errors import APIError, ClientDisconnected, from_engine_error, http_exception_handler
 from .metrics import ServerMetrics
 from .reasoning import PARSERS as REASONING_PARSERS
@@ -46,7 +48,8 @@ Handler = Callable[[ServerContext, Request], Awaitable[Response]]
 def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | None = None, *,
                allow_lora_loading: bool | Iterable[str | Path] | None = False,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               allowed_origins: Iterable[str] | None = None, reasoning_parser: str | None = None) -> Starlette:
+               allowed_origins: Iterable[str] | None = None, reasoning_parser: str | None = None,
+               pooling: str | None = None) -> Starlette:
     """An OpenAI-compatible Starlette app serving ``llm``; mount it anywhere or run it as is.
 
     ``model_name`` is what clients pass as ``model`` (default: :func:`default_model_name`).
@@ -57,7 +60,8 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
     ``allowed_origins``: browser origins allowed to call the app (CORS, Starlette's middleware;
     ``["*"]`` for any); None: no CORS headers, as before. ``reasoning_parser`` ("qwen3" or
     "deepseek_r1"): chat answers carry the model's thinking as ``reasoning_content``, apart from
-    ``content``. The host creates and closes ``llm``.
+    ``content``. ``pooling`` ("last" or "mean") for ``/v1/embeddings``; None: the model's default
+    (its sentence-transformers config, else "last"). The host creates and closes ``llm``.
     """
     if getattr(llm, "tokenizer", True) is None:
         raise ConfigError("the server needs a tokenizer (chat templates, text prompts and outputs, logprobs): "
@@ -67,9 +71,11 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
         raise ConfigError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
+    if pooling is not None and pooling not in POOLINGS:
+        raise ConfigError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     ctx = ServerContext(llm=llm, model_name=name, api_key=api_key, metrics=ServerMetrics(llm, name),
                         created=int(time.time()), lora_roots=lora_roots(allow_lora_loading),
-                        max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser)
+                        max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser, pooling=pooling)
 
     def route(path: str, handler: Handler, method: str, *, auth: bool = True) -> Route:
         return Route(path, _endpoint(ctx, handler, auth, json_body=method == "POST"), methods=[method])
@@ -77,6 +83,7 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
     routes = [
         route("/v1/chat/completions", create_chat_completion, "POST"),
         route("/v1/completions", create_completion, "POST"),
+        route("/v1/embeddings", create_embeddings, "POST"),
         route("/v1/models", list_models, "GET"),
         route("/v1/models/{model:path}", retrieve_model, "GET"),
         route("/v1/load_lora_adapter", load_lora_adapter, "POST"),

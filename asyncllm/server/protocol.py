@@ -253,6 +253,26 @@ class CompletionRequest(_SamplingFields):
         return field
 
 
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings``."""
+
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None  # accepted and ignored
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """The texts (or token id lists) to embed."""
+        value = self.input
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]
+        if not value:
+            raise InvalidRequestError("input: must not be empty", field="input")
+        return list(value)
+
+
 class TokenizeRequest(_Request):
     """``POST /tokenize``: either ``prompt`` or ``messages``."""
 
@@ -374,6 +394,19 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+
+
+class EmbeddingData(_Response):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]
+
+
+class EmbeddingResponse(_Response):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: UsageInfo
 
 
 class ModelCard(_Response):

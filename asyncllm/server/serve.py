@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> None:
                              allow_lora_loading=args.enable_lora_loading or False,
                              max_body_bytes=args.max_body_bytes,
                              allowed_origins=_origins(args.allowed_origins),
-                             reasoning_parser=args.reasoning_parser)
+                             reasoning_parser=args.reasoning_parser, pooling=args.pooling)
         except AsyncLLMError as exc:
             raise SystemExit(f"asyncllm serve: {exc}") from None
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",

@@ -47,6 +47,7 @@ class ServerContext:
     lora_roots: tuple[Path, ...] = ()     # where /v1/load_lora_adapter may read from; () = disabled
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     reasoning_parser: str | None = None   # "qwen3" / "deepseek_r1": reasoning_content apart (reasoning.py)
+    pooling: str | None = None            # /v1/embeddings: "last", "mean" or None (the model's default)
 
     def resolve_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects (None: the base model); 404 if unknown."""

@@ -1,0 +1,47 @@
+"""``POST /v1/embeddings``: one vector per input, through the engine's own forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..errors import AsyncLLMError, InvalidRequestError
+from .errors import from_engine_error
+from .protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, UsageInfo
+from .serving import ServerContext, parse_body, until_disconnect
+
+
+async def create_embeddings(ctx: ServerContext, request: Request) -> Response:
+    """Every input embedded concurrently (they batch in the engine); float lists or base64."""
+    body = await parse_body(request, EmbeddingRequest)
+    lora = ctx.resolve_model(body.model)
+    inputs = body.inputs()
+    width = ctx.llm.engine.runner.shape.hidden_size
+    if body.dimensions is not None and body.dimensions != width:
+        raise InvalidRequestError(f"dimensions: this model's embeddings have {width} dimensions "
+                                  f"(no shortening), got {body.dimensions}", field="dimensions")
+    request_id = f"embd-{uuid.uuid4().hex}"
+    tasks = [ctx.llm.encode(item, pooling=ctx.pooling, lora=lora, request_id=f"{request_id}-{i}",
+                            truncate_prompt_tokens=body.truncate_prompt_tokens) for i, item in enumerate(inputs)]
+    try:
+        outputs = await until_disconnect(request, asyncio.gather(*tasks))
+    except AsyncLLMError as exc:
+        raise from_engine_error(exc, lambda field: "input" if field == "prompt" else field) from None
+    data = [EmbeddingData(index=i, embedding=_encode(out.embedding, body.encoding_format))
+            for i, out in enumerate(outputs)]
+    tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    response = EmbeddingResponse(data=data, model=body.model or ctx.model_name,
+                                 usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's two encodings: a list of floats, or the little-endian float32 bytes in base64."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector

@@ -29,6 +29,7 @@ from ..frontend.tokenizing import decode_ids, encode_text
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_embeddings
+from .responses import ResponseStore, create_response
 from .errors import APIError, ClientDisconnected, from_engine_error, http_exception_handler
 from .metrics import ServerMetrics
 from .reasoning import PARSERS as REASONING_PARSERS
@@ -75,7 +76,8 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
         raise ConfigError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     ctx = ServerContext(llm=llm, model_name=name, api_key=api_key, metrics=ServerMetrics(llm, name),
                         created=int(time.time()), lora_roots=lora_roots(allow_lora_loading),
-                        max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser, pooling=pooling)
+                        max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser, pooling=pooling,
+                        responses=ResponseStore())
 
     def route(path: str, handler: Handler, method: str, *, auth: bool = True) -> Route:
         return Route(path, _endpoint(ctx, handler, auth, json_body=method == "POST"), methods=[method])
@@ -84,6 +86,7 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
         route("/v1/chat/completions", create_chat_completion, "POST"),
         route("/v1/completions", create_completion, "POST"),
         route("/v1/embeddings", create_embeddings, "POST"),
+        route("/v1/responses", create_response, "POST"),
         route("/v1/models", list_models, "GET"),
         route("/v1/models/{model:path}", retrieve_model, "GET"),
         route("/v1/load_lora_adapter", load_lora_adapter, "POST"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import uuid
 
 import numpy as np
@@ -26,12 +27,19 @@ async def create_embeddings(ctx: ServerContext, request: Request) -> Response:
         raise InvalidRequestError(f"dimensions: this model's embeddings have {width} dimensions "
                                   f"(no shortening), got {body.dimensions}", field="dimensions")
     request_id = f"embd-{uuid.uuid4().hex}"
+    # each distinct input is computed once: identical inputs get identical vectors (the same input in
+    # two batch rows could differ in the last bit, float sums depending on the batch's shape)
+    distinct: dict[str, int] = {}
+    for item in inputs:
+        distinct.setdefault(json.dumps(item), len(distinct))
+    unique = [json.loads(key) for key in distinct]
     tasks = [ctx.llm.encode(item, pooling=ctx.pooling, lora=lora, request_id=f"{request_id}-{i}",
-                            truncate_prompt_tokens=body.truncate_prompt_tokens) for i, item in enumerate(inputs)]
+                            truncate_prompt_tokens=body.truncate_prompt_tokens) for i, item in enumerate(unique)]
     try:
-        outputs = await until_disconnect(request, asyncio.gather(*tasks))
+        computed = await until_disconnect(request, asyncio.gather(*tasks))
     except AsyncLLMError as exc:
         raise from_engine_error(exc, lambda field: "input" if field == "prompt" else field) from None
+    outputs = [computed[distinct[json.dumps(item)]] for item in inputs]
     data = [EmbeddingData(index=i, embedding=_encode(out.embedding, body.encoding_format))
             for i, out in enumerate(outputs)]
     tokens = sum(len(out.prompt_token_ids) for out in outputs)

@@ -48,6 +48,7 @@ class ServerContext:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     reasoning_parser: str | None = None   # "qwen3" / "deepseek_r1": reasoning_content apart (reasoning.py)
     pooling: str | None = None            # /v1/embeddings: "last", "mean" or None (the model's default)
+    responses: Any = None                 # /v1/responses: the ResponseStore behind previous_response_id
 
     def resolve_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects (None: the base model); 404 if unknown."""
@@ -245,7 +246,7 @@ def chunk_json(chunk: BaseModel, include_usage: bool) -> str:
 SHUTDOWN_GRACE_S = 2.0
 
 
-def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
+def sse_response(chunks: AsyncIterator[str | tuple[str, str]]) -> EventSourceResponse:
     """Stream JSON chunks as OpenAI does: ``data: {...}`` events, then ``data: [DONE]``.
 
     A failure after the status was sent becomes an error event; so does the server shutting down
@@ -256,7 +257,8 @@ def sse_response(chunks: AsyncIterator[str]) -> EventSourceResponse:
     async def events() -> AsyncIterator[dict[str, str]]:
         try:
             async for data in _until_shutdown(chunks, shutdown):
-                yield {"data": data}
+                # a (name, data) pair is a named event (the Responses API's "event: response.created")
+                yield {"event": data[0], "data": data[1]} if isinstance(data, tuple) else {"data": data}
         except APIError as exc:  # the status is sent already: report it in the stream, as OpenAI does
             yield {"data": json.dumps(exc.body())}
         except AsyncLLMError as exc:

@@ -62,6 +62,9 @@ class ResponsesRequest(_Request):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         fmt = (self.text or {}).get("format")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+        if fmt is not None and forced:
+            fmt = None  # a forced tool call writes no text: the text format applies to later turns
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_schema", "json_object"):
                 raise InvalidRequestError("text.format: expected {'type': 'text' | 'json_schema' | 'json_object'}",

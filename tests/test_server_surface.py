@@ -245,6 +245,14 @@ def test_serve_chat_template_and_engine_flags_reach_the_server(model_dirs, tmp_p
         preflight = httpx.options(f"{base}/v1/models", headers={"Origin": "http://x.test",
                                                                "Access-Control-Request-Method": "GET"})
         assert preflight.status_code == 200
+        import openai  # the Responses API through the command, whole and streamed
+
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30) as client:
+            name = client.models.list().data[0].id
+            whole = client.responses.create(model=name, input="Hi", max_output_tokens=6, temperature=0)
+            events = list(client.responses.create(model=name, input="Hi", max_output_tokens=6, temperature=0,
+                                                  stream=True))
+        assert whole.output_text and events[-1].response.output_text == whole.output_text
     finally:
         proc.terminate()
         proc.communicate(timeout=15)

@@ -13,6 +13,8 @@ the same two parts.
 
 from __future__ import annotations
 
+from ..tools.parser_base import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
 
@@ -55,7 +57,7 @@ class ReasoningSplitter:
                     reasoning += self._buf[:at]
                     self._buf, self._state = self._buf[at + len(CLOSE):].lstrip("\n"), "after"
                     continue
-                keep = 0 if final else _partial_suffix(self._buf, CLOSE)
+                keep = 0 if final else partial_suffix(self._buf, CLOSE)
                 reasoning += self._buf[:len(self._buf) - keep]
                 self._buf = self._buf[len(self._buf) - keep:]
                 return reasoning, content
@@ -68,14 +70,6 @@ class ReasoningSplitter:
             content += self._buf
             self._buf = ""
             return reasoning, content
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 def split_reasoning(kind: str, text: str) -> tuple[str, str]:

@@ -93,7 +93,7 @@ class ToolParser:
             self._buf = self._buf[at + len(self.start):]
             self._state, self._in_list = _CALL_START, False
             return True
-        keep = 0 if final else _partial_suffix(self._buf, self.start)
+        keep = 0 if final else partial_suffix(self._buf, self.start)
         self._emit_content(self._buf[:len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
         return False
@@ -172,7 +172,7 @@ class ToolParser:
         return content, fragments
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 
 from .config import EngineConfig
 from .errors import ConfigError
-from .frontend.pooling import model_pooling
+from .frontend.pooling import embedding_kwargs, model_pooling
 from .engine.core import EngineCore, SequenceOutput
 from .engine.engine_thread import EngineThread
 from .errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError, RequestTimeoutError
@@ -185,11 +185,9 @@ class AsyncLLM:
                      truncate_prompt_tokens: int | None = None) -> RequestOutput:
         """:meth:`embed`, returning the whole RequestOutput (``embedding``, ``prompt_token_ids``)."""
         pooling = pooling or self.default_pooling
-        kwargs: dict[str, Any] = {"max_tokens": 1, "temperature": 0.0}
-        if truncate_prompt_tokens is not None:
-            kwargs["truncate_prompt_tokens"] = truncate_prompt_tokens
         state = None
-        async for state, _ in self._run(prompt, None, lora, request_id, (None, None, None), kwargs, timeout,
+        async for state, _ in self._run(prompt, None, lora, request_id, (None, None, None),
+                                        embedding_kwargs(truncate_prompt_tokens), timeout,
                                         priority, pooling=pooling):
             pass
         if state.embedding is None:  # aborted before its prompt was computed

@@ -13,7 +13,7 @@ from .errors import EngineDeadError, InvalidRequestError
 from .frontend.input_processor import make_input_processor
 from .frontend.lora import load_lora
 from .frontend.output_processor import OutputProcessor
-from .frontend.pooling import model_pooling
+from .frontend.pooling import embedding_kwargs, model_pooling
 from .frontend.prompts import Prompt
 from .model.loader import load_tokenizer
 from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -79,11 +79,9 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         adapter = load_lora(self.engine.loras, lora)
         batch = next(_batch_ids)
-        kwargs: dict[str, Any] = {"max_tokens": 1, "temperature": 0.0}
-        if truncate_prompt_tokens is not None:
-            kwargs["truncate_prompt_tokens"] = truncate_prompt_tokens
         pooling = pooling or model_pooling(self.engine.model_dir)
-        requests = [self.inputs.process(p, None, request_id=f"emb-{batch}-{i}", sampling_kwargs=dict(kwargs),
+        requests = [self.inputs.process(p, None, request_id=f"emb-{batch}-{i}",
+                                        sampling_kwargs=embedding_kwargs(truncate_prompt_tokens),
                                         lora=adapter, pooling=pooling) for i, p in enumerate(prompts)]
         return [out.embedding for out in self._run_requests(requests, use_tqdm, "embedding")]
 

@@ -17,6 +17,11 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # n above this is refused (OpenAI's own bound); engines lower or raise it with ``max_n``.
 DEFAULT_MAX_N = 128
+# bad_words: how many, and how long each (tokenized at submission, checked every step)
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 256
+# beam search: longest stop string (each step decodes a tail this long for every candidate)
+MAX_BEAM_STOP_CHARS = 256
 
 
 def _fail(name: str, message: str) -> None:
@@ -114,6 +119,11 @@ class SamplingParams:
             if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip()
                                                                           for w in self.bad_words):
                 _fail("bad_words", "expected a list of non-empty strings")
+            # every step checks each word against each sequence's output: both are bounded
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                _fail("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+            if any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+                _fail("bad_words", f"each word may have at most {MAX_BAD_WORD_CHARS} characters")
             self.bad_words = list(self.bad_words)
         if self.truncate_prompt_tokens is not None:
             _check_number("truncate_prompt_tokens", self.truncate_prompt_tokens, integer=True)
@@ -248,6 +258,9 @@ class SamplingParams:
             _fail(name, "structured output is not supported with use_beam_search")
         if self.prompt_logprobs is not None:
             _fail("prompt_logprobs", "not supported with use_beam_search")
+        # every beam step checks each candidate's text against the stop strings: bound their length
+        if any(len(stop) > MAX_BEAM_STOP_CHARS for stop in self.stop_strings):
+            _fail("stop", f"with use_beam_search, stop strings may have at most {MAX_BEAM_STOP_CHARS} characters")
 
     @property
     def beam_width(self) -> int:

@@ -158,7 +158,9 @@ def test_validation_names_the_field(model_dirs):
              ({"use_beam_search": True, "best_of": 2, "repetition_penalty": 1.2}, "repetition_penalty"),
              ({"use_beam_search": True, "best_of": 2, "choice": ["a", "b"]}, "choice"),
              ({"use_beam_search": "yes"}, "use_beam_search"), ({"length_penalty": "x"}, "length_penalty"),
-             ({"early_stopping": "sometimes"}, "early_stopping"), ({"best_of": 10_000}, "best_of")]
+             ({"early_stopping": "sometimes"}, "early_stopping"), ({"best_of": 10_000}, "best_of"),
+             ({"use_beam_search": True, "best_of": 2, "stop": ["x" * 257]}, "stop"),
+             ({"use_beam_search": True, "best_of": 2, "bad_words": ["x"]}, "bad_words")]
     for kwargs, name in cases:
         with pytest.raises(InvalidRequestError) as info:
             llm.generate(["hello"], SamplingParams(**kwargs))

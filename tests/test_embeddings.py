@@ -121,3 +121,22 @@ def test_openai_sdk_embeddings_create(served):
     vectors = [item.embedding for item in result.data]
     assert len(vectors) == 3 and vectors[0] == vectors[2] and vectors[0] != vectors[1]
     assert vectors[0] == pytest.approx(asyncio.run(llm.embed("a cat")), abs=1e-6)
+
+
+def test_a_refused_input_aborts_the_others(model_dirs):
+    """One input of a batch refused (too long): the whole request is a 400 and none of its other inputs
+    keeps running in the engine."""
+    import time
+
+    llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32")
+    try:
+        app = create_app(llm)
+        too_long = list(range(5, 5 + llm.max_model_len + 10))
+        response = request(app, "POST", "/v1/embeddings", json={"input": [[5, 6, 7]] * 3 + [too_long]})
+        assert_error(response, 400, "input")
+        deadline = time.monotonic() + 5
+        while llm.stats()["num_running"] or llm.stats()["kv_blocks_used"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        llm.close()

@@ -298,3 +298,10 @@ def test_reasoning_content_in_chat_whole_and_streamed(llm):
     assert "reasoning_content" not in plain and plain["content"].startswith("<think>")
     with pytest.raises(ConfigError, match="reasoning_parser"):
         create_app(llm, reasoning_parser="o1")
+
+
+def test_bad_words_are_bounded(llm):
+    app = create_app(llm)
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert_error(request(app, "POST", "/v1/completions", json={**body, "bad_words": ["w"] * 1025}), 400, "bad_words")
+    assert_error(request(app, "POST", "/v1/completions", json={**body, "bad_words": ["w" * 257]}), 400, "bad_words")

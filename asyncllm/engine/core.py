@@ -218,9 +218,9 @@ class EngineCore:
         return torch.Generator(self.runner.device).manual_seed(seed)
 
     def _run(self, batch: ScheduledBatch) -> list[SequenceOutput]:
-        rows, plans = self._plan_logits(batch)
+        rows, plans, pools, pool_rows = self._plan_logits(batch)
         self._prefetch_grammar_masks(batch, plans)
-        logits = self.runner.execute(StepInput.from_batch(batch, rows, self.block_table_rows, self._pool_rows))
+        logits = self.runner.execute(StepInput.from_batch(batch, rows, self.block_table_rows, pool_rows))
         prompt_lps: dict[int, list[dict[int, float]]] = {}
         to_sample: list[tuple[Sequence, int, int]] = []  # (sequence, first logits row, drafts verified)
         to_rank: list[tuple[Sequence, int]] = []
@@ -247,19 +247,20 @@ class EngineCore:
         outputs = self._sample_and_update(logits, to_sample, prompt_lps)
         if to_rank:
             outputs.extend(self._step_beams(logits, to_rank))
-        if self._pools:
-            outputs.extend(self._pool(self.runner.pooled))
+        if pools:
+            outputs.extend(self._pool(self.runner.pooled, pools))
         for seq in batch.seqs:  # prompt chunks that sampled nothing still report their logprobs
             if id(seq) in prompt_lps:
                 outputs.append(SequenceOutput(seq.request_id, seq.index, [], [], None, prompt_lps.pop(id(seq)),
                                               serial=seq.request.serial))
         return outputs
 
-    def _pool(self, hidden: torch.Tensor) -> list[SequenceOutput]:
-        """Embedding requests: fold this step's hidden states in; those whose prompt is complete finish
-        with their (L2-normalised) embedding."""
+    def _pool(self, hidden: torch.Tensor | None, pools: list[tuple[Sequence, int, int, bool]]) -> list[SequenceOutput]:
+        """Embedding requests: fold this step's hidden states in (``pools``: sequence, first pooled row,
+        rows, whether its prompt is complete); those whose prompt is complete finish with their
+        (L2-normalised) embedding."""
         outputs = []
-        for seq, first, count, done in self._pools:
+        for seq, first, count, done in pools:
             if not count:  # last-token pooling, an earlier chunk of the prompt: nothing to keep yet
                 continue
             rows = hidden[first:first + count]
@@ -317,8 +318,8 @@ class EngineCore:
         their hidden states (embedding requests: the last position, or every one for mean pooling)."""
         rows: list[int] = []
         plans = []
-        self._pools: list[tuple[Sequence, int, int, bool]] = []  # (sequence, first pool row, rows, last chunk)
-        self._pool_rows: list[int] = []
+        pools: list[tuple[Sequence, int, int, bool]] = []  # (sequence, first pool row, rows, last chunk)
+        pool_rows: list[int] = []
         flat = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -326,8 +327,8 @@ class EngineCore:
                 done = end == seq.num_tokens
                 wanted = range(flat, flat + n) if seq.request.pooling == "mean" else \
                     range(flat + n - 1, flat + n) if done else range(0)
-                self._pools.append((seq, len(self._pool_rows), len(wanted), done))
-                self._pool_rows.extend(wanted)
+                pools.append((seq, len(pool_rows), len(wanted), done))
+                pool_rows.extend(wanted)
                 plans.append((None, None, 0))
                 flat += n
                 continue
@@ -344,7 +345,7 @@ class EngineCore:
                 rows.extend(range(first, flat + n))
             plans.append((prompt_plan, sample_row, max(end - seq.num_tokens, 0)))
             flat += n
-        return rows, plans
+        return rows, plans, pools, pool_rows
 
     def _sample_and_update(self, logits: torch.Tensor, to_sample: list[tuple[Sequence, int, int]],
                            prompt_lps: dict[int, list]) -> list[SequenceOutput]:

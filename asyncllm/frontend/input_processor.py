@@ -67,7 +67,7 @@ class InputProcessor:
         if self.tokenizer is None:
             _check_token_only(prompt, params, tools)
         tool_context = build_tool_context(tools, tool_choice, parallel_tool_calls, self.tool_parser)
-        if tool_context is not None and not _is_chat(prompt):
+        if tool_context is not None and not is_chat(prompt):
             raise InvalidRequestError("tools: only allowed with a chat (list of messages) prompt", field="tools")
         grammar = self._grammar(params, tool_context)
         truncate = params.truncate_prompt_tokens
@@ -95,7 +95,8 @@ class InputProcessor:
                      tools: list | None) -> bool:
         """Whether :meth:`process` may take long enough to stall an event loop (then AsyncLLM runs it
         in its input worker pool): chat prompts, tools, grammars, and anything large."""
-        if tools or (params is not None and isinstance(params, SamplingParams) and params.structured):
+        if tools or (params is not None and isinstance(params, SamplingParams)
+                     and (params.structured or params.bad_words)):
             return True
         if isinstance(prompt, str):
             if len(prompt) > WORKER_PROMPT_CHARS:
@@ -104,7 +105,7 @@ class InputProcessor:
                 or any(isinstance(item, dict) for item in prompt):
             return True
         for name, value in sampling_kwargs.items():
-            if name in _STRUCTURED and value is not None:
+            if (name in _STRUCTURED or name == "bad_words") and value:  # compiled / tokenized at submission
                 return True
             if isinstance(value, (str, list, tuple, dict)) and len(value) > WORKER_FIELD_ITEMS:
                 return True
@@ -115,13 +116,13 @@ class InputProcessor:
         usually tokenized with its leading space)."""
         if self.tokenizer is None:
             raise InvalidRequestError("bad_words: needs a tokenizer (skip_tokenizer_init=True)", field="bad_words")
-        sequences = []
+        sequences: dict[tuple[int, ...], None] = {}  # (ordered, without repeats)
         for word in words:
             for variant in {word, word if word.startswith(" ") else " " + word}:
-                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
+                ids = tuple(self.tokenizer.encode(variant, add_special_tokens=False))
+                if ids:
+                    sequences[ids] = None
+        return [list(ids) for ids in sequences]
 
     def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """``max_tokens`` checked against what the context leaves; omitted (None): all of it."""
@@ -160,7 +161,7 @@ def _check_token_only(prompt: Any, params: SamplingParams, tools: list | None) -
     """Without a tokenizer (``skip_tokenizer_init=True``) only token-id prompts and token-level
     parameters make sense; anything that needs text is refused by name."""
     why = "this engine was started with skip_tokenizer_init=True"
-    if isinstance(prompt, str) or _is_chat(prompt):
+    if isinstance(prompt, str) or is_chat(prompt):
         raise InvalidRequestError(f"prompt: pass token ids; {why} (no text prompts or messages)", field="prompt")
     if tools:
         raise InvalidRequestError(f"tools: {why}", field="tools")
@@ -170,7 +171,6 @@ def _check_token_only(prompt: Any, params: SamplingParams, tools: list | None) -
             raise InvalidRequestError(f"{name}: needs a tokenizer; {why}", field=name)
 
 
-_is_chat = is_chat
 
 
 def make_input_processor(engine, tokenizer, tool_parser: str | None = None) -> InputProcessor:

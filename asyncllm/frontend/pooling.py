@@ -30,3 +30,11 @@ def model_pooling(model_dir: Path) -> str:
     if config.get("pooling_mode_mean_tokens"):
         return "mean"
     return "last"
+
+
+def embedding_kwargs(truncate_prompt_tokens: int | None = None) -> dict:
+    """The sampling keywords of an embedding request: one greedy step's worth, never sampled."""
+    kwargs: dict = {"max_tokens": 1, "temperature": 0.0}
+    if truncate_prompt_tokens is not None:
+        kwargs["truncate_prompt_tokens"] = truncate_prompt_tokens
+    return kwargs

@@ -226,9 +226,9 @@ class ModelRunner:
     def _prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         if step.table_rows is not None and not self.platform.is_cuda:
             if all(n == 1 for n in step.num_new_tokens):
-                return self._prepare_decode(step)
+                return self._prepare_rows(step, chained=False)
             if self._fits_chained(step):
-                return self._prepare_chained(step)
+                return self._prepare_rows(step, chained=True)
         query_start = [0]
         for n in step.num_new_tokens:
             query_start.append(query_start[-1] + n)
@@ -254,23 +254,20 @@ class ModelRunner:
         return (self.decode_stack is not None and not self.lora.groups
                 and len(step.token_ids) <= MAX_CHAINED_ROWS)
 
-    def _prepare_chained(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """``_prepare`` of a step the decode stack runs with one row per token (``meta.chained``): a
+    def _prepare_rows(self, step: StepInput, chained: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``_prepare`` of a CPU step laid out one row per token: a decode-only step (the batch-1
+        latency path), or with ``chained`` a small multi-token step for the decode stack, where a
         sequence verifying k drafts becomes 1 + k rows at consecutive positions over its block table."""
-        starts, rows = _expand_rows(step)
+        if chained:
+            starts, rows = _expand_rows(step)
+        else:
+            starts, rows = np.asarray(step.start_positions, dtype=np.int64), step.table_rows
         max_blocks = int(starts.max()) // self.block_size + 1
         self._apply_table_updates(step)
         meta = _decode_metadata(starts, self._table_buffer[rows, :max_blocks], self.block_size)
-        meta.chained = True
-        return torch.tensor(step.token_ids), torch.from_numpy(starts), meta
-
-    def _prepare_decode(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """``_prepare`` for a CPU decode-only step from the engine (the batch-1 latency path)."""
-        starts = np.asarray(step.start_positions, dtype=np.int64)
-        max_blocks = int(starts.max()) // self.block_size + 1
-        self._apply_table_updates(step)
-        meta = _decode_metadata(starts, self._table_buffer[step.table_rows, :max_blocks], self.block_size)
-        if self.decode_stack is None or self.lora.groups or not self.decode_stack.fits(meta, len(starts)):
+        meta.chained = chained
+        if not chained and (self.decode_stack is None or self.lora.groups
+                            or not self.decode_stack.fits(meta, len(starts))):
             self.backend.prepare(meta)  # the decode stack needs none of the backend's plans
         return torch.tensor(step.token_ids), torch.from_numpy(starts), meta
 

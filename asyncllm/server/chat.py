@@ -30,7 +30,10 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     if body.stream:
         return sse_response(_chunks(ctx, body, request_id, model, streams))
     (output,) = await collect(request, streams)
-    return JSONResponse(_response(ctx, body, request_id, model, output).model_dump(mode="json"))
+    # logprobs (prompt logprobs above all) decode a token per entry: work that grows with the prompt,
+    # done in the engine's input workers so the event loop keeps serving
+    response = await ctx.llm.offload(_response, ctx, body, request_id, model, output)
+    return JSONResponse(response.model_dump(mode="json"))
 
 
 def _response(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, model: str,

@@ -31,7 +31,10 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     if body.stream:
         return sse_response(_chunks(ctx, body, request_id, model, streams))
     outputs = await collect(request, streams)
-    return JSONResponse(_response(ctx, body, request_id, model, outputs).model_dump(mode="json"))
+    # logprobs (prompt logprobs above all) decode a token per entry: work that grows with the prompt,
+    # done in the engine's input workers so the event loop keeps serving
+    response = await ctx.llm.offload(_response, ctx, body, request_id, model, outputs)
+    return JSONResponse(response.model_dump(mode="json"))
 
 
 class _Choice:

@@ -33,12 +33,18 @@ async def create_embeddings(ctx: ServerContext, request: Request) -> Response:
     for item in inputs:
         distinct.setdefault(json.dumps(item), len(distinct))
     unique = [json.loads(key) for key in distinct]
-    tasks = [ctx.llm.encode(item, pooling=ctx.pooling, lora=lora, request_id=f"{request_id}-{i}",
-                            truncate_prompt_tokens=body.truncate_prompt_tokens) for i, item in enumerate(unique)]
+    tasks = [asyncio.ensure_future(ctx.llm.encode(item, pooling=ctx.pooling, lora=lora, request_id=f"{request_id}-{i}",
+                                                  truncate_prompt_tokens=body.truncate_prompt_tokens))
+             for i, item in enumerate(unique)]
     try:
         computed = await until_disconnect(request, asyncio.gather(*tasks))
-    except AsyncLLMError as exc:
-        raise from_engine_error(exc, lambda field: "input" if field == "prompt" else field) from None
+    except BaseException as exc:  # one refused (or the client left): the others are aborted, not left running
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(exc, AsyncLLMError):
+            raise from_engine_error(exc, lambda field: "input" if field == "prompt" else field) from None
+        raise
     outputs = [computed[distinct[json.dumps(item)]] for item in inputs]
     data = [EmbeddingData(index=i, embedding=_encode(out.embedding, body.encoding_format))
             for i, out in enumerate(outputs)]

@@ -152,6 +152,12 @@ class _SamplingFields(_Request):
                                       f"given: {given[0][0]})", field=given[1][0])
         return {target: value for _, target, value in given}
 
+    def param_for(self, field: str | None) -> str | None:
+        """The request parameter a SamplingParams field came from (for error messages)."""
+        if field in ("json_schema", "regex", "choice", "grammar"):
+            return self.structured_source()
+        return field
+
     def structured_source(self) -> str:
         """The request parameter that carried the structured-output constraint (for error messages)."""
         for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
@@ -211,9 +217,7 @@ class ChatCompletionRequest(_SamplingFields):
         """The request parameter a SamplingParams field came from (for error messages)."""
         renames = {"prompt": "messages", "logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
-        if field in ("json_schema", "regex", "choice", "grammar"):
-            return self.structured_source()
-        return renames.get(field, field)
+        return renames.get(field) or super().param_for(field)
 
 
 class CompletionRequest(_SamplingFields):
@@ -227,12 +231,7 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The request's prompts as a list (a batch request has several)."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]
-        if not prompt:
-            raise InvalidRequestError("prompt: must not be empty", field="prompt")
-        return list(prompt)
+        return _prompt_list(self.prompt, "prompt")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = self.common_sampling_kwargs()
@@ -246,11 +245,9 @@ class CompletionRequest(_SamplingFields):
         return kwargs
 
     def param_for(self, field: str | None) -> str | None:
-        if field in ("json_schema", "regex", "choice", "grammar"):
-            return self.structured_source()
         if field == "prompt_logprobs" and self.prompt_logprobs is None:
             return "logprobs"  # (echo with logprobs asks for them)
-        return field
+        return super().param_for(field)
 
 
 class EmbeddingRequest(_Request):
@@ -265,12 +262,16 @@ class EmbeddingRequest(_Request):
 
     def inputs(self) -> list[Union[str, list[int]]]:
         """The texts (or token id lists) to embed."""
-        value = self.input
-        if isinstance(value, str) or (value and isinstance(value[0], int)):
-            return [value]
-        if not value:
-            raise InvalidRequestError("input: must not be empty", field="input")
-        return list(value)
+        return _prompt_list(self.input, "input")
+
+
+def _prompt_list(value: Union[str, list[str], list[int], list[list[int]]], field: str) -> list:
+    """One prompt (a text or token ids) or a batch of them, as a list."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    if not value:
+        raise InvalidRequestError(f"{field}: must not be empty", field=field)
+    return list(value)
 
 
 class TokenizeRequest(_Request):

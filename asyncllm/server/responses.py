@@ -22,7 +22,6 @@ import uuid
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
-from pydantic import ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -37,8 +36,6 @@ STORE_SIZE = 1024
 
 
 class ResponsesRequest(_Request):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
     instructions: Optional[str] = None
@@ -179,7 +176,8 @@ async def create_response(ctx: ServerContext, request: Request) -> Response:
     lora = ctx.resolve_model(body.model)
     history = ctx.responses.get(body.previous_response_id) if body.previous_response_id else []
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages = system + history + input_messages(body)
+    conversation = history + input_messages(body)  # what previous_response_id will bring back
+    messages = system + conversation
     kwargs = body.sampling_kwargs()
     response_id = f"resp_{uuid.uuid4().hex}"
     tools = body.chat_tools()
@@ -187,10 +185,12 @@ async def create_response(ctx: ServerContext, request: Request) -> Response:
                                  param_for=body.param_for)
     builder = _Builder(ctx, body, response_id)
     if body.stream:
-        return sse_response(builder.events(streams[0], history + input_messages(body)))
+        return sse_response(builder.events(streams[0], conversation))
     (output,) = await collect(request, streams)
-    response = builder.whole(output)
-    builder.remember(history + input_messages(body), output)
+    c = output.outputs[0]
+    cached = output.metrics.num_cached_tokens if output.metrics else 0
+    response = builder.finish(builder.items(output), c.finish_reason, len(output.prompt_token_ids),
+                              len(c.token_ids), cached, conversation)
     return JSONResponse(response)
 
 
@@ -217,14 +217,6 @@ class _Builder:
                 "error": None, "incomplete_details": {"reason": incomplete} if incomplete else None,
                 "usage": usage}
 
-    def usage(self, output: RequestOutput) -> dict[str, Any]:
-        prompt = len(output.prompt_token_ids)
-        generated = sum(len(c.token_ids) for c in output.outputs)
-        cached = output.metrics.num_cached_tokens if output.metrics else 0
-        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": prompt + generated}
-
     def items(self, output: RequestOutput) -> list[dict[str, Any]]:
         c = output.outputs[0]
         reasoning, text = (split_reasoning(self.ctx.reasoning_parser, c.text) if self.ctx.reasoning_parser
@@ -238,21 +230,26 @@ class _Builder:
             items.append(_call_item(f"fc_{self.id[5:]}_{i}", call.id, call.name, call.arguments, "completed"))
         return items
 
-    def whole(self, output: RequestOutput) -> dict[str, Any]:
-        reason = output.outputs[0].finish_reason
-        return self.skeleton("incomplete" if reason == "length" else "completed", self.items(output),
-                             self.usage(output), "max_output_tokens" if reason == "length" else None)
-
-    def remember(self, messages: list[dict[str, Any]], output: RequestOutput) -> None:
-        """The conversation including this answer, for a later ``previous_response_id``."""
-        if not self.body.store:
-            return
-        c = output.outputs[0]
-        answer: dict[str, Any] = {"role": "assistant", "content": c.text}
-        if c.tool_calls:
-            answer["tool_calls"] = [t.to_openai() for t in c.tool_calls]
-            answer["content"] = c.text or None
-        self.ctx.responses.put(self.id, messages + [answer])
+    def finish(self, items: list[dict[str, Any]], reason: str | None, input_tokens: int, output_tokens: int,
+               cached_tokens: int, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+        """The final response object; with ``store``, the conversation and this answer are kept for a
+        later ``previous_response_id`` (the answer's text and calls, not its reasoning)."""
+        if self.body.store:
+            answer: dict[str, Any] = {"role": "assistant", "content": None}
+            for item in items:
+                if item["type"] == "message":
+                    answer["content"] = item["content"][0]["text"] or None
+                elif item["type"] == "function_call":
+                    answer.setdefault("tool_calls", []).append(
+                        {"id": item["call_id"], "type": "function",
+                         "function": {"name": item["name"], "arguments": item["arguments"]}})
+            self.ctx.responses.put(self.id, conversation + [answer])
+        usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": input_tokens + output_tokens}
+        cut = reason == "length"
+        return self.skeleton("incomplete" if cut else "completed", items, usage,
+                             "max_output_tokens" if cut else None)
 
     def event(self, kind: str, **fields: Any) -> tuple[str, str]:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -273,22 +270,11 @@ class _Builder:
                 final = delta
         for event in stream_state.close():
             yield event
-        reason = stream_state.finish_reason
-        usage = {"input_tokens": len(final.prompt_token_ids) if final else 0,
-                 "input_tokens_details": {"cached_tokens": final.metrics.num_cached_tokens if final and final.metrics
-                                          else 0},
-                 "output_tokens": stream_state.num_tokens, "output_tokens_details": {"reasoning_tokens": 0}}
-        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
-        response = self.skeleton("incomplete" if reason == "length" else "completed", stream_state.items, usage,
-                                 "max_output_tokens" if reason == "length" else None)
-        yield self.event("response.incomplete" if reason == "length" else "response.completed", response=response)
-        if self.body.store:
-            answer: dict[str, Any] = {"role": "assistant", "content": stream_state.text or None}
-            calls = [item for item in stream_state.items if item["type"] == "function_call"]
-            if calls:
-                answer["tool_calls"] = [{"id": c["call_id"], "type": "function",
-                                         "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-            self.ctx.responses.put(self.id, messages + [answer])
+        cached = final.metrics.num_cached_tokens if final is not None and final.metrics else 0
+        response = self.finish(stream_state.items, stream_state.finish_reason,
+                               len(final.prompt_token_ids) if final is not None else 0, stream_state.num_tokens,
+                               cached, messages)
+        yield self.event(f"response.{response['status']}", response=response)
 
 
 class _StreamState:
@@ -301,7 +287,6 @@ class _StreamState:
         self.reasoning: dict[str, Any] | None = None
         self.message: dict[str, Any] | None = None
         self.calls: dict[int, dict[str, Any]] = {}
-        self.text = ""
         self.num_tokens = 0
         self.finish_reason: str | None = None
 
@@ -361,7 +346,6 @@ class _StreamState:
                                        part={"type": "output_text", "text": "", "annotations": []}))
         if text:
             self.message["content"][0]["text"] += text
-            self.text += text
             events.append(self.b.event("response.output_text.delta", item_id=self.message["id"],
                                        output_index=self.items.index(self.message), content_index=0, delta=text))
         return events

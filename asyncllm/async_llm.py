@@ -247,6 +247,7 @@ class AsyncLLM:
         with self._restart_lock:
             self._thread.stop()
             self._thread.join()
+            self.engine.shutdown()
         self._input_pool.shutdown(wait=False)
 
     async def __aenter__(self) -> "AsyncLLM":
@@ -346,6 +347,9 @@ class AsyncLLM:
         self._thread.wake()
 
     def _check_usable(self) -> None:
+        if self._error is None and not self._closed and not self.engine.healthy:
+            self._error = EngineDeadError("a tensor-parallel worker is gone: the engine cannot recover; "
+                                          "create a new AsyncLLM")
         if self._error is not None:
             raise self._error
         if self._closed:
@@ -374,8 +378,10 @@ class AsyncLLM:
         self._faults.append(now)
         while self._faults and now - self._faults[0] > self.restart_window_s:
             self._faults.popleft()
-        restart = self.auto_restart and len(self._faults) <= self.max_restarts and not self._closed
+        healthy = self.engine.healthy
+        restart = self.auto_restart and len(self._faults) <= self.max_restarts and not self._closed and healthy
         what = "the engine was reset and serves again" if restart else (
+            "a tensor-parallel worker is gone: the engine cannot recover; create a new one" if not healthy else
             f"{len(self._faults)} faults in {self.restart_window_s:g} s: not restarting; call restart()"
             if self.auto_restart else "auto_restart is off; call restart()")
         error = EngineDeadError(f"the engine loop died: {exc!r} ({what})")
@@ -397,6 +403,9 @@ class AsyncLLM:
             with self._lock:
                 if self._closed:
                     raise EngineDeadError("this AsyncLLM has been closed")
+                if not self.engine.healthy:
+                    raise EngineDeadError("a tensor-parallel worker is gone: this engine cannot restart; "
+                                          "create a new AsyncLLM")
                 self._error = EngineDeadError("the engine is restarting (AsyncLLM.restart())")  # /health: 503
             self._thread.stop()
             self._thread.join()

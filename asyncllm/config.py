@@ -35,7 +35,9 @@ class EngineConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1      # ranks splitting the model (distributed/, docs/scaling.md)
+    nnodes: int = 1                    # machines those ranks span (MASTER_ADDR/MASTER_PORT rendezvous)
+    node_rank: int = 0                 # this machine's place among them; 0 runs the engine
     attention_backend: str = "auto"
     enable_cuda_graphs: bool = True    # CUDA + Triton only: replay decode steps as CUDA graphs (docs/kernels.md)
     speculative_config: dict | str | None = None  # speculative decoding (engine/speculation.py, docs/decoding.md)
@@ -83,5 +85,12 @@ class EngineConfig:
             raise ConfigError(f"enable_cuda_graphs must be True or False, got {self.enable_cuda_graphs!r}")
         from .engine.speculation import SpeculativeConfig  # (the engine package imports this module)
         SpeculativeConfig.parse(self.speculative_config)
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
+                              f"nnodes={self.nnodes} (each node runs the same number of ranks)")

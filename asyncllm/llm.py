@@ -126,11 +126,23 @@ class LLM:
         """One engine step; a failure inside it resets the engine (nothing else runs in it: this
         call's requests are dropped, every block freed) and becomes EngineDeadError, so the next
         ``generate`` starts from a clean engine."""
+        if not self.engine.healthy:
+            raise EngineDeadError("a tensor-parallel worker is gone: the engine cannot recover; create a new LLM")
         try:
             return self.engine.step()
         except Exception as exc:
             self.engine.reset()
             raise EngineDeadError(f"an engine step failed: {exc!r} (the engine was reset)") from exc
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (they also end with this process)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def add_lora(self, name: str, path: str) -> None:
         """Load and register a PEFT adapter under ``name`` (LoRAError if it does not fit the model)."""

@@ -98,6 +98,9 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
     # The CPU fast path (packed oneDNN weights, C kernels, fused greedy sampling) unless the torch
     # reference was asked for: attention_backend="torch" stays plain torch, the tests' oracle.
     cpu_fast_path = device.type == "cpu" and config.attention_backend != "torch"
+    # Tensor parallelism sums partial outputs between layers: no single call may run them all
+    # (the decode stack), and collectives are not captured in CUDA graphs.
+    parallel = config.tensor_parallel_size > 1
     return Platform(
         device=device,
         dtype=dtype,
@@ -105,9 +108,9 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
         kernel_family={"triton": "triton", "cpu": "cpu"}.get(backend),
         packed_linears=cpu_fast_path and packing_supported(device, dtype),
         fused_greedy=cpu_fast_path,
-        decode_stack=cpu_fast_path and backend == "cpu" and dtype == torch.float32,
+        decode_stack=cpu_fast_path and backend == "cpu" and dtype == torch.float32 and not parallel,
         cuda_graphs=(config.enable_cuda_graphs and device.type == "cuda" and backend == "triton"
-                     and not interpreting()),
+                     and not interpreting() and not parallel),
         default_token_budget=DEFAULT_TOKEN_BUDGET.get(device.type, 2048),
         distributed_backend="nccl" if device.type == "cuda" else "gloo",
     )

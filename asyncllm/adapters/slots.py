@@ -24,7 +24,10 @@ class LoRASlots:
     """``max_loras`` device slots; an adapter used by a running sequence is never evicted."""
 
     def __init__(self, shape: DecoderShape, max_loras: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, sharding=None) -> None:
+        """``shape``: the rank's local shape; ``sharding`` (tensor parallelism) cuts each adapter's
+        A/B to this rank as it is slotted (distributed/sharding.py)."""
+        self.sharding = sharding
         self.shape, self.max_loras, self.max_rank = shape, max_loras, max_rank
         self.device, self.dtype = device, dtype
         self.shapes = module_shapes(shape)
@@ -83,7 +86,7 @@ class LoRASlots:
                 b_stack[slot].zero_()
                 pair = adapter.weights.get((layer, target))
                 if pair is not None:
-                    a, b = pair
+                    a, b = pair if self.sharding is None else self.sharding.lora(target, *pair)
                     a_stack[slot, :a.shape[0]].copy_(a)
                     b_stack[slot, :, :b.shape[1]].copy_(b)
                 self.ranks.setdefault((layer, target), torch.zeros(self.max_loras, dtype=torch.int64))[slot] = \

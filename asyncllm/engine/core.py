@@ -114,6 +114,15 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.reset()
 
+    @property
+    def healthy(self) -> bool:
+        """False when the engine cannot go on even after a reset (a tensor-parallel worker is gone)."""
+        return self.runner.healthy
+
+    def shutdown(self) -> None:
+        """Release what outlives the object: the tensor-parallel worker processes. Call with no step running."""
+        self.runner.shutdown()
+
     # ---- thread-safe entry points -------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         self._inbox.put(("add", request))

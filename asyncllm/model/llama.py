@@ -3,6 +3,10 @@
 Module and parameter names follow Hugging Face's, except that q/k/v and gate/up projections are
 fused into one matmul each (``qkv_proj``, ``gate_up_proj``); the loader fills their slices as the
 architecture's entry in ``model/registry.py`` says (Phi-3 checkpoints are fused already).
+
+Under tensor parallelism (``distributed/parallel.py``) each rank builds this model from its local
+shape (its heads and intermediate columns), sums the row-parallel outputs of ``o_proj`` and
+``down_proj`` with an all-reduce, and splits the vocabulary of the embedding and the LM head.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed.parallel import SINGLE, TensorParallel
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import add_rms_norm, rms_norm, silu_and_mul
 from .rotary import RotaryEmbedding
@@ -33,9 +38,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend, lora=None) -> None:
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend, lora=None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.lora = lora  # LoRASlots shared by all layers, or None
+        self.tp = tp
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size = shape.num_heads * shape.head_dim
@@ -69,13 +76,13 @@ class Attention(nn.Module):
         result = self.o_proj(out)
         if self.lora is not None and self.lora.groups:
             self.lora.apply(self.layer_index, "o_proj", out, result)
-        return result
+        return self.tp.all_reduce(result)  # row-parallel: each rank holds a partial sum
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int = 0, lora=None) -> None:
+    def __init__(self, shape: DecoderShape, layer_index: int = 0, lora=None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.layer_index, self.lora = layer_index, lora
+        self.layer_index, self.lora, self.tp = layer_index, lora, tp
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
@@ -89,14 +96,15 @@ class MLP(nn.Module):
         out = self.down_proj(hidden)
         if lora:
             lora.apply(self.layer_index, "down_proj", hidden, out)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend, lora=None) -> None:
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding, backend, lora=None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(shape, layer_index, rotary, backend, lora)
-        self.mlp = MLP(shape, layer_index, lora)
+        self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp)
+        self.mlp = MLP(shape, layer_index, lora, tp)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
@@ -106,19 +114,43 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(normed)
 
 
-class LlamaFamilyModel(nn.Module):
-    """The decoder stack plus LM head. ``forward`` takes a flattened batch of tokens."""
+class VocabParallelEmbedding(nn.Module):
+    """One rank's rows ``[start, start + rows)`` of the embedding table; ids outside them give zeros
+    here and their vectors come from the rank that holds them (all-reduce)."""
 
-    def __init__(self, shape: DecoderShape, rotary: RotaryEmbedding, backend, lora=None) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.shape = shape
+        self.start, rows = tp.vocab(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class LlamaFamilyModel(nn.Module):
+    """The decoder stack plus LM head. ``forward`` takes a flattened batch of tokens.
+
+    ``shape`` is the rank's local shape under tensor parallelism (``TensorParallel.local_shape``);
+    its vocabulary size stays the whole model's."""
+
+    def __init__(self, shape: DecoderShape, rotary: RotaryEmbedding, backend, lora=None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.shape, self.tp = shape, tp
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(shape, i, rotary, backend, lora)
+        rows = tp.vocab(shape.vocab_size)[1]
+        self.model.embed_tokens = (VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp) if tp.enabled
+                                   else nn.Embedding(shape.vocab_size, shape.hidden_size))
+        self.model.layers = nn.ModuleList(DecoderLayer(shape, i, rotary, backend, lora, tp)
                                           for i in range(shape.num_layers))
         self.model.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         if not shape.tie_word_embeddings:
-            self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+            self.lm_head = nn.Linear(shape.hidden_size, rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -130,6 +162,7 @@ class LlamaFamilyModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = getattr(self, "lm_head", None)  # tied models get one only when the CPU path packs it
-        if head is not None:
-            return head(hidden)
-        return nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        logits = head(hidden) if head is not None else nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        if self.tp.enabled:  # each rank scored its vocabulary rows: put them side by side, drop the padding
+            logits = self.tp.gather_columns(logits)[:, :self.shape.vocab_size]
+        return logits

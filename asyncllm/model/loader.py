@@ -66,28 +66,34 @@ def iter_safetensors(root: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     progress.update(tensor.numel() * tensor.element_size())
 
 
-def checkpoint_tensors(model, source: ModelSource, keep_q8_0: bool = False) -> Iterator[tuple[str, object]]:
-    """The tensors of ``source`` by Hugging Face name: safetensors files, or a GGUF file."""
+def checkpoint_tensors(model, source: ModelSource, keep_q8_0: bool = False,
+                       shape=None) -> Iterator[tuple[str, object]]:
+    """The tensors of ``source`` by Hugging Face name: safetensors files, or a GGUF file
+    (``shape``: the whole model's, when ``model`` is one rank's shard)."""
     if source.gguf_file is None:
         return iter_safetensors(source.root)
     from .gguf_weights import iter_gguf_tensors
     from .source import gguf_tensor_table
 
-    shape = model.shape
+    shape = shape or model.shape
     return iter_gguf_tensors(source.gguf_file, gguf_tensor_table(source), shape.num_heads, shape.num_kv_heads,
                              keep_q8_0)
 
 
-def load_weights(model, source: ModelSource | Path, arch: Architecture, keep_q8_0: bool = False) -> None:
+def load_weights(model, source: ModelSource | Path, arch: Architecture, keep_q8_0: bool = False,
+                 sharding=None) -> None:
     """Copy every checkpoint tensor into its (possibly fused) parameter, as ``arch.fused`` places
     them; every parameter (and every slice of a fused one) must be covered. Projections replaced by
-    int8 slots (model/quantization.py) take float tensors (quantized as they arrive) or int8 rows."""
+    int8 slots (model/quantization.py) take float tensors (quantized as they arrive) or int8 rows.
+    ``sharding`` (distributed/sharding.py): a tensor-parallel rank's cut, applied to each tensor
+    as it arrives, so no rank holds more than its shard plus one checkpoint tensor."""
     if isinstance(source, Path):
         source = ModelSource(source)
     targets = _load_targets(model)
     filled: set[str] = set()
-    for name, tensor in checkpoint_tensors(model, source, keep_q8_0):
-        target = _copy_tensor(model, targets, name, tensor, arch.fused)
+    shape = sharding.shape if sharding is not None else None
+    for name, tensor in checkpoint_tensors(model, source, keep_q8_0, shape):
+        target = _copy_tensor(model, targets, name, tensor, arch.fused, sharding)
         if target:
             filled.add(target)
     missing = sorted(_expected_pieces(targets, arch.fused) - filled)
@@ -105,18 +111,22 @@ def _load_targets(model) -> dict:
     return targets
 
 
-def _copy_tensor(model, params: dict, name: str, tensor, fused_map: dict) -> str | None:
+def _copy_tensor(model, params: dict, name: str, tensor, fused_map: dict, sharding=None) -> str | None:
     if "rotary_emb" in name or (name == "lm_head.weight" and model.shape.tie_word_embeddings):
         return None
     for hf_name, (fused, part) in fused_map.items():
         if f".{hf_name}." in name:
             target = name.replace(hf_name, fused)
             _check_known(params, target, name)
+            if sharding is not None:
+                tensor = sharding.shard(target, part, tensor)
             param = params[target]
             start, size = _slice_of(model, fused, part, _rows(param))
             _assign_rows(param, start, size, tensor, name)
             return f"{target}:{part}"
     _check_known(params, name, name)
+    if sharding is not None:
+        tensor = sharding.shard(name, None, tensor)
     _assign_rows(params[name], 0, _rows(params[name]), tensor, name)
     return name
 

@@ -13,6 +13,8 @@ import torch
 
 from ..adapters.slots import LoRASlots
 from ..config import EngineConfig
+from ..distributed.parallel import SINGLE, TensorParallel, check_tensor_parallel
+from ..distributed.sharding import Sharding
 from ..engine.step_input import StepInput
 from ..errors import ConfigError
 from ..kernels.cpu_attention import CpuAttentionBackend
@@ -48,33 +50,56 @@ def build_attention_backend(platform: Platform, shape: DecoderShape):
 
 
 class ModelRunner:
-    """Owns the model weights and the paged KV cache tensors."""
+    """Owns the model weights and the paged KV cache tensors.
 
-    def __init__(self, config: EngineConfig, hf_config, source: ModelSource | Path, max_model_len: int) -> None:
+    With ``tensor_parallel_size > 1`` the engine's runner is rank 0: it starts the other ranks
+    (``distributed/workers.py``) and sends them every step; a worker's runner is built with its
+    ``tp`` and only executes. ``shape`` is always the whole model's; each rank holds its shard."""
+
+    def __init__(self, config: EngineConfig, hf_config, source: ModelSource | Path, max_model_len: int,
+                 tp: TensorParallel | None = None) -> None:
+        self.shape = DecoderShape.from_hf_config(hf_config)
+        check_tensor_parallel(self.shape, config.tensor_parallel_size)
+        self.workers = None
+        if tp is None and config.tensor_parallel_size > 1:
+            from ..distributed.workers import WorkerGroup
+
+            self.workers = WorkerGroup(config)
+            tp = self.workers.tp
+        self.tp = tp or SINGLE
+        try:
+            self._build(config, hf_config, source, max_model_len)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, hf_config, source: ModelSource | Path, max_model_len: int) -> None:
         self.platform = decide_platform(config, hf_config)
         self.device, self.dtype = self.platform.device, self.platform.dtype
         self.block_size = config.block_size
-        self.shape = DecoderShape.from_hf_config(hf_config)
-        self.backend = build_attention_backend(self.platform, self.shape)
+        self.local_shape = self.tp.local_shape(self.shape)
+        sharding = Sharding(self.tp, self.shape) if self.tp.enabled else None
+        self.backend = build_attention_backend(self.platform, self.local_shape)
         inv_freq, scaling = rope_frequencies(hf_config, self.shape.head_dim)
         rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
-        self.lora = LoRASlots(self.shape, config.max_loras, config.max_lora_rank, self.device, self.dtype)
+        self.lora = LoRASlots(self.local_shape, config.max_loras, config.max_lora_rank, self.device, self.dtype,
+                              sharding)
         self.architecture = architecture_for(hf_config)
         with torch.device("meta"):
-            model = self.architecture.build(self.shape, rotary, self.backend, self.lora).to(self.dtype)
+            model = self.architecture.build(self.local_shape, rotary, self.backend, self.lora, self.tp).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
         source = source if isinstance(source, ModelSource) else ModelSource(Path(source))
         self.weight_format = decide_weight_format(config.quantization, source.is_gguf,
                                                   gguf_linear_types(source) if source.is_gguf else set())
         if self.weight_format.int8:
             make_int8_slots(self.model, self.weight_format)
-        load_weights(self.model, source, self.architecture, keep_q8_0=self.weight_format.int8)
+        load_weights(self.model, source, self.architecture, keep_q8_0=self.weight_format.int8, sharding=sharding)
         if self.weight_format.int8:
             tied = self.model.model.embed_tokens.weight if self.shape.tie_word_embeddings else None
             count = finish_int8(self.model, self.weight_format, tied)
             logger.info("int8 weights: %d layers (groups of %s)", count, self.weight_format.group_size or "a row")
         rotary.build(self.device, self.dtype)
-        self.num_blocks = self._count_blocks(config, max_model_len)
+        self.num_blocks = self._agree_num_blocks(config, max_model_len)
         # every running sequence's block table, kept across steps (engine/block_tables.py)
         self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
         self.kv_caches = self._allocate_kv_caches()
@@ -86,6 +111,25 @@ class ModelRunner:
             self._pack_cpu_linears()
         self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
         self.pooled: torch.Tensor | None = None  # hidden states of the last step's pool_rows (execute)
+
+    def _agree_num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+        """Rank 0 sizes the KV cache and tells the other ranks (every rank needs the same count)."""
+        if self.tp.rank > 0:
+            from ..distributed.workers import receive_value
+
+            return receive_value()
+        num_blocks = self._count_blocks(config, max_model_len)
+        return self.workers.share(num_blocks) if self.workers is not None else num_blocks
+
+    @property
+    def healthy(self) -> bool:
+        """False once a tensor-parallel worker is gone: the engine cannot go on without it."""
+        return self.workers is None or self.workers.healthy
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do otherwise). Safe to call twice."""
+        if self.workers is not None:
+            self.workers.close()
 
     @property
     def cpu_fast_path(self) -> bool:
@@ -99,7 +143,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        s = self.shape
+        s = self.local_shape
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _count_blocks(self, config: EngineConfig, max_model_len: int) -> int:
@@ -123,18 +167,25 @@ class ModelRunner:
         return int(min(_available_ram() * _CPU_KV_SHARE, _CPU_KV_CAP))
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        s = self.shape
+        s = self.local_shape
         shape = (self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
         # zeros, not empty: masked-out slots must not hold NaN bit patterns (0 * NaN = NaN)
         return [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
                 for _ in range(s.num_layers)]
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run one step; return logits ([len(step.logit_rows), vocab], float32) of the chosen flat positions.
 
         The final hidden states (after the last norm) of ``step.pool_rows`` are left in ``self.pooled``
-        ([len(pool_rows), hidden], float32) for embeddings."""
+        ([len(pool_rows), hidden], float32) for embeddings. Under tensor parallelism rank 0 first
+        sends the step to the other ranks, which run it alongside."""
+        if self.workers is None:
+            return self._execute(step)
+        with self.workers.step(step):
+            return self._execute(step)
+
+    @torch.inference_mode()
+    def _execute(self, step: StepInput) -> torch.Tensor:
         self._copy_blocks(step.block_copies)
         self._prepare_lora(step)
         input_ids, positions, meta = self._prepare(step)

@@ -55,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton", "cpu"])
     engine.add_argument("--enable-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="CUDA + Triton: replay decode steps as CUDA graphs (default on)")
-    engine.add_argument("--tensor-parallel-size", type=int, default=None)
+    engine.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="split the model over N processes (docs/scaling.md)")
+    engine.add_argument("--nnodes", type=int, default=None,
+                        help="machines the tensor-parallel ranks span (set MASTER_ADDR/MASTER_PORT on each)")
+    engine.add_argument("--node-rank", type=int, default=None,
+                        help="this machine's place among them: 0 serves, the others only run their ranks")
     engine.add_argument("--seed", type=int, default=None, help="the engine sampler's seed")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="chat answers carry the model's <think> text as reasoning_content (docs/server.md)")

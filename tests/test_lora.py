@@ -185,3 +185,22 @@ def test_multi_lora_example(lora_setup):
     assert len(results) == 3 * len(example.PROMPTS)
     texts = {name: [results[(name, p)].outputs[0].text for p in example.PROMPTS] for name in ("base", "qv4", "mlp2")}
     assert texts["base"] != texts["qv4"] and texts["base"] != texts["mlp2"]
+
+
+def test_mixed_adapters_under_tensor_parallelism_equal_peft_merged(lora_setup):
+    """TP=2: each rank holds its cut of every adapter (B rows for column-parallel projections, A
+    columns for row-parallel ones); a batch mixing all adapters and the base model, with adapters
+    taking turns in 2 slots, gives every merged model's greedy tokens."""
+    with LLM(lora_setup["base_dir"], dtype="float32", block_size=4, max_loras=2, tensor_parallel_size=2,
+             kv_cache_memory=4 << 20, max_model_len=256) as llm:
+        for name, path in lora_setup["paths"].items():
+            llm.add_lora(name, str(path))
+        names = [None] + list(ADAPTERS)
+        prompts, loras, want = [], [], []
+        for name in names:
+            for p, expected in zip(lora_setup["prompts"], lora_setup["expected"][name or "base"]):
+                prompts.append(p)
+                loras.append(name)
+                want.append(expected)
+        outputs = llm.generate(prompts, GREEDY, lora=loras)
+        assert [o.outputs[0].token_ids for o in outputs] == want

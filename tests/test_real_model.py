@@ -111,3 +111,23 @@ def test_beam_search_equals_transformers(smollm2_files, k):
             theirs = theirs[len(prompt):].tolist()
             n = len(mine.token_ids)
             assert mine.token_ids == theirs[:n] and all(t == pad for t in theirs[n:])
+
+
+def test_tensor_parallel_3_streams_equal_one_process(smollm2_files):
+    """SmolLM2 (9 heads, 3 KV heads) split 3 ways: one KV head per rank, vocabulary 3 x 16,384;
+    AsyncLLM streams give the single-process engine's greedy tokens."""
+    hf_dir, _ = smollm2_files
+    llm = LLM(str(hf_dir), dtype="float32", **ENGINE)
+    prompts = [llm.tokenizer.encode("The three most important inventions in history are"),
+               llm.tokenizer.encode("def fibonacci(n):")]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+
+    async def streams() -> list[list[int]]:
+        async with AsyncLLM(str(hf_dir), dtype="float32", tensor_parallel_size=3, **ENGINE) as tp:
+            async def one(prompt):
+                return [t for out in [o async for o in tp.stream_outputs(prompt, greedy)]
+                        for t in out.outputs[0].token_ids]
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    assert asyncio.run(streams()) == expected

@@ -39,6 +39,8 @@ def main(args: argparse.Namespace) -> None:
     from ..errors import AsyncLLMError
     from .app import create_app
 
+    if getattr(args, "node_rank", None):
+        raise SystemExit(_run_worker_node(args))
     loras = parse_loras(args.lora)
     try:
         llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -78,7 +80,25 @@ def main(args: argparse.Namespace) -> None:
 
 
 ENGINE_EXTRAS = ("block_size", "enable_prefix_caching", "max_loras", "max_lora_rank", "max_cpu_loras",
-                 "attention_backend", "enable_cuda_graphs", "tensor_parallel_size", "seed")
+                 "attention_backend", "enable_cuda_graphs", "tensor_parallel_size", "nnodes", "node_rank",
+                 "seed")
+
+
+def _run_worker_node(args) -> int:
+    """``--node-rank K`` (K > 0): this machine only runs its tensor-parallel ranks for node 0's
+    engine (which sends them its engine arguments); returns the exit status once they end."""
+    from ..config import EngineConfig
+    from ..distributed.workers import run_worker_node
+    from ..errors import AsyncLLMError
+
+    try:
+        config = EngineConfig.from_kwargs(args.model, dict(device=args.device, revision=args.revision,
+                                                           **_engine_extras(args)))
+        print(f"asyncllm serve: node {config.node_rank} of {config.nnodes}: running its tensor-parallel ranks "
+              "for node 0's engine", file=sys.stderr)
+        return run_worker_node(config)
+    except AsyncLLMError as exc:
+        raise SystemExit(f"asyncllm serve: {exc}") from None
 
 
 def _engine_extras(args) -> dict:

@@ -1,0 +1,189 @@
+"""Tensor parallelism on the CPU (gloo): shards, greedy parity, streams, worker faults, two "nodes".
+
+Each engine here starts real worker processes (a fresh interpreter each: a few seconds), so the
+file keeps to a handful of engines; LoRA under TP lives in test_lora.py, SmolLM2 at TP=3 in
+test_real_model.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from asyncllm import LLM, AsyncLLM, SamplingParams
+from asyncllm.distributed.parallel import TensorParallel, check_tensor_parallel
+from asyncllm.distributed.sharding import Sharding
+from asyncllm.errors import ConfigError, EngineDeadError
+from asyncllm.model.gguf_weights import QuantizedRows
+from asyncllm.model.shape import DecoderShape
+from checkpoints import reference_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[11, 42, 7, 300, 25], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [900]]
+ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory=4 << 20, block_size=4)
+
+
+def _shape(heads=8, kv=2, vocab=103) -> DecoderShape:
+    return DecoderShape(vocab_size=vocab, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=heads,
+                        num_kv_heads=kv, head_dim=2, rms_norm_eps=1e-6, qkv_bias=True, qk_norm=False,
+                        tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("size,kv", [(2, 2), (4, 2), (4, 1), (2, 4)])
+def test_shards_put_back_together_equal_the_checkpoint(size, kv):
+    """Every rank's cut of every kind of tensor, reassembled, is the whole tensor (KV heads
+    replicated when there are fewer than ranks; vocabulary padded on the last rank)."""
+    shape = _shape(kv=kv)
+    q, kvs, inter = shape.num_heads * 2, kv * 2, shape.intermediate_size
+    full = {"q": torch.randn(q, 16), "k": torch.randn(kvs, 16), "v": torch.randn(kvs, 16),
+            "o": torch.randn(16, q), "down": torch.randn(16, inter), "gate": torch.randn(inter, 16),
+            "embed": torch.randn(shape.vocab_size, 16), "bias": torch.randn(q + 2 * kvs)}
+    fused_qkv = torch.cat([full["q"], full["k"], full["v"]])
+    cuts = [Sharding(TensorParallel(r, size), shape) for r in range(size)]
+    assert torch.equal(torch.cat([c.shard("l.qkv_proj.weight", "q", full["q"]) for c in cuts]), full["q"])
+    assert torch.equal(torch.cat([c.shard("l.o_proj.weight", None, full["o"]) for c in cuts], 1), full["o"])
+    assert torch.equal(torch.cat([c.shard("l.down_proj.weight", None, full["down"]) for c in cuts], 1), full["down"])
+    assert torch.equal(torch.cat([c.shard("l.gate_up_proj.weight", 0, full["gate"]) for c in cuts]), full["gate"])
+    embed = torch.cat([c.shard("model.embed_tokens.weight", None, full["embed"]) for c in cuts])
+    assert embed.shape[0] == -(-shape.vocab_size // size) * size
+    assert torch.equal(embed[:shape.vocab_size], full["embed"]) and not embed[shape.vocab_size:].any()
+    for rank, cut in enumerate(cuts):
+        k = cut.shard("l.qkv_proj.weight", "k", full["k"])
+        first, count = TensorParallel(rank, size).kv_heads(kv)
+        assert torch.equal(k, full["k"][first * 2:(first + count) * 2])
+        # a checkpoint storing qkv fused (Phi-3) is cut into the same pieces
+        whole = cut.shard("l.qkv_proj.weight", None, fused_qkv)
+        pieces = [cut.shard("l.qkv_proj.weight", p, full[p]) for p in "qkv"]
+        assert torch.equal(whole, torch.cat(pieces))
+        bias = cut.shard("l.qkv_proj.bias", None, full["bias"])
+        assert bias.shape[0] == whole.shape[0]
+        # each rank's query heads read the KV head it keeps
+        local = TensorParallel(rank, size).local_shape(shape)
+        group = shape.num_heads // kv
+        heads = range(rank * local.num_heads, (rank + 1) * local.num_heads)
+        assert {h // group for h in heads} <= set(range(first, first + count))
+
+
+def test_int8_rows_are_cut_on_group_boundaries():
+    rows = QuantizedRows(torch.randint(-127, 127, (4, 64), dtype=torch.int8), torch.rand(4, 2))
+    shape = _shape(heads=2, kv=2)
+    shape.head_dim = 32
+    left = Sharding(TensorParallel(0, 2), shape).shard("l.o_proj.weight", None, rows)
+    assert isinstance(left, QuantizedRows) and left.shape == (4, 32)
+    assert torch.equal(left.dequantize(), rows.dequantize()[:, :32])
+
+
+def test_sizes_that_do_not_divide_the_model_are_refused_naming_the_argument(llama_dir):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 .*4 attention heads"):
+        check_tensor_parallel(_shape(heads=4, kv=2), 3)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3"):
+        LLM(str(llama_dir), tensor_parallel_size=3, **ENGINE)
+    for bad, match in [(dict(tensor_parallel_size=0), "tensor_parallel_size"), (dict(nnodes=0), "nnodes"),
+                       (dict(tensor_parallel_size=2, nnodes=2, node_rank=2), "node_rank"),
+                       (dict(tensor_parallel_size=3, nnodes=2), "multiple of nnodes")]:
+        with pytest.raises(ConfigError, match=match):
+            LLM(str(llama_dir), **bad, **ENGINE)
+
+
+def test_multi_node_needs_the_rendezvous_address(llama_dir, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        LLM(str(llama_dir), tensor_parallel_size=2, nnodes=2, **ENGINE)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_tp2_greedy_equals_transformers(model_dir_factory, kind):
+    """Llama (GQA: 2 KV heads, one per rank) and Mistral (one KV head, replicated on both ranks)."""
+    model_dir = model_dir_factory(kind)
+    expected = reference_greedy(model_dir, PROMPTS, GREEDY.max_tokens)
+    with LLM(str(model_dir), tensor_parallel_size=2, **ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert llm.stats()["kv_blocks_used"] == 0
+        processes = llm.engine.runner.workers.processes
+    assert all(p.poll() is not None for p in processes)  # close() ended the workers
+
+
+def test_tp2_async_streams_equal_transformers_and_a_dead_worker_fails_every_stream(llama_dir):
+    expected = reference_greedy(llama_dir, PROMPTS, GREEDY.max_tokens)
+
+    async def main():
+        llm = AsyncLLM(str(llama_dir), tensor_parallel_size=2, **ENGINE)
+        try:
+            async def collect(prompt):
+                tokens = []
+                async for out in llm.stream_outputs(prompt, GREEDY):
+                    tokens.extend(out.outputs[0].token_ids)  # each output is the step's delta
+                return tokens
+
+            assert await asyncio.gather(*(collect(p) for p in PROMPTS)) == expected
+            # kill the worker while three long streams are open: every one ends with EngineDeadError
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            started = asyncio.Event()
+            results: list = []
+
+            async def stream(prompt):
+                try:
+                    async for _ in llm.stream(prompt, long):
+                        started.set()
+                    results.append("finished")
+                except EngineDeadError as exc:
+                    results.append(exc)
+
+            tasks = [asyncio.create_task(stream(p)) for p in PROMPTS]
+            await asyncio.wait_for(started.wait(), 60)
+            worker = llm.engine.runner.workers.processes[0]
+            os.kill(worker.pid, signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert len(results) == 3 and all(isinstance(r, EngineDeadError) for r in results), results
+            with pytest.raises(EngineDeadError, match="tensor-parallel worker"):
+                await llm.check_health()
+            with pytest.raises(EngineDeadError):
+                await llm.generate(PROMPTS[0], GREEDY)
+        finally:
+            await llm.aclose()
+
+    asyncio.run(main())
+
+
+def test_one_tensor_parallel_engine_per_process(llama_dir):
+    with LLM(str(llama_dir), tensor_parallel_size=2, **ENGINE):
+        with pytest.raises(ConfigError, match="one tensor-parallel engine per process"):
+            LLM(str(llama_dir), tensor_parallel_size=2, **ENGINE)
+    with LLM(str(llama_dir), tensor_parallel_size=2, **ENGINE) as again:  # the first one closed: fine
+        assert again.generate([PROMPTS[2]], GREEDY)[0].outputs[0].token_ids
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback(llama_dir, monkeypatch):
+    """Node 1 is ``asyncllm serve MODEL --tensor-parallel-size 2 --nnodes 2 --node-rank 1`` (it runs
+    rank 1 only); node 0 is this process's engine. They meet through MASTER_ADDR/MASTER_PORT."""
+    port = _free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    node1 = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "serve", str(llama_dir),
+                              "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"], env=env)
+    try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        expected = reference_greedy(llama_dir, PROMPTS, GREEDY.max_tokens)
+        with LLM(str(llama_dir), tensor_parallel_size=2, nnodes=2, node_rank=0, **ENGINE) as llm:
+            assert llm.engine.runner.workers.processes == []  # no local workers: rank 1 is on "node 1"
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+        assert node1.wait(timeout=60) == 0  # the stop message ended node 1's rank cleanly
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()

@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--node-rank", type=int, default=None,
                         help="this machine's place among them: 0 serves, the others only run their ranks")
     engine.add_argument("--seed", type=int, default=None, help="the engine sampler's seed")
+    scale = serve.add_argument_group("replicas (docs/scaling.md)")
+    scale.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="serve N engine replicas through Ray Serve, routed with prefix-cache affinity "
+                            "(needs: pip install 'asyncllm[ray]')")
+    scale.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: a local Ray instance")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="chat answers carry the model's <think> text as reasoning_content (docs/server.md)")
     serve.add_argument("--pooling", default=None, choices=["last", "mean"],

@@ -9,11 +9,12 @@ that and the process exits with status 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 GRACEFUL_SHUTDOWN_S = 10
 
@@ -31,40 +32,80 @@ def parse_loras(specs: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+@dataclass
+class ServeSpec:
+    """Everything one serving engine is built from: the command's options as plain data, so a
+    Ray Serve replica on another machine builds the same engine and app (integrations/ray.py)."""
+
+    model: str
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    app_kwargs: dict[str, Any] = field(default_factory=dict)
+    loras: list[tuple[str, str]] = field(default_factory=list)
+    chat_template: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServeSpec":
+        """The spec of ``asyncllm serve``'s parsed options (usage errors raise SystemExit)."""
+        engine = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs, max_n=args.max_n,
+                      max_waiting_requests=args.max_waiting_requests, max_restarts=args.max_restarts,
+                      kv_cache_memory=args.kv_cache_memory, tool_parser=getattr(args, "tool_parser", None),
+                      revision=args.revision, quantization=args.quantization,
+                      generation_config=args.generation_config, max_itl_ms=args.max_itl_ms,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      speculative_config=args.speculative_config, **_engine_extras(args))
+        app = dict(model_name=args.model_name, api_key=args.api_key,
+                   allow_lora_loading=args.enable_lora_loading or False, max_body_bytes=args.max_body_bytes,
+                   allowed_origins=_origins(args.allowed_origins), reasoning_parser=args.reasoning_parser,
+                   pooling=args.pooling)
+        template = _read_template(args.chat_template) if args.chat_template is not None else None
+        return cls(args.model, engine, app, parse_loras(args.lora), template)
+
+    def build(self):
+        """Load the engine, register the adapters, make the app: ``(AsyncLLM, Starlette app)``.
+        The engine is closed again if a later part fails."""
+        from ..async_llm import AsyncLLM
+        from .app import create_app
+
+        llm = AsyncLLM(self.model, **self.engine_kwargs)
+        try:
+            if self.chat_template is not None:
+                llm.tokenizer.chat_template = self.chat_template
+            for name, path in self.loras:
+                llm.engine.loras.load(name, path)
+                logger.info("loaded LoRA adapter %s from %s", name, path)
+            return llm, create_app(llm, **self.app_kwargs)
+        except BaseException:
+            llm.close()
+            raise
+
+
 def main(args: argparse.Namespace) -> None:
-    """Load the model, register adapters, serve until SIGINT/SIGTERM, then close the engine."""
+    """Load the model, register adapters, serve until SIGINT/SIGTERM, then close the engine.
+    ``--node-rank K`` runs a tensor-parallel worker node instead; ``--data-parallel-size N``
+    serves N replicas through Ray Serve (integrations/ray.py)."""
     import uvicorn
 
-    from ..async_llm import AsyncLLM
     from ..errors import AsyncLLMError
-    from .app import create_app
 
     if getattr(args, "node_rank", None):
         raise SystemExit(_run_worker_node(args))
-    loras = parse_loras(args.lora)
-    try:
-        llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                       max_num_seqs=args.max_num_seqs, max_n=args.max_n,
-                       max_waiting_requests=args.max_waiting_requests, max_restarts=args.max_restarts,
-                       kv_cache_memory=args.kv_cache_memory, tool_parser=getattr(args, "tool_parser", None),
-                       revision=args.revision, quantization=args.quantization,
-                       generation_config=args.generation_config, max_itl_ms=args.max_itl_ms,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       speculative_config=args.speculative_config, **_engine_extras(args))
-    except AsyncLLMError as exc:  # a bad option value: say which, not a traceback
-        raise SystemExit(f"asyncllm serve: {exc}") from None
-    if args.chat_template is not None:
-        llm.tokenizer.chat_template = _read_template(args.chat_template)
-    try:
+    spec = ServeSpec.from_args(args)
+    if (getattr(args, "data_parallel_size", None) or 1) > 1:
+        from ..integrations.ray import serve_replicas
+
         try:
-            asyncio.run(_load_loras(llm, loras))
-            app = create_app(llm, model_name=args.model_name, api_key=args.api_key,
-                             allow_lora_loading=args.enable_lora_loading or False,
-                             max_body_bytes=args.max_body_bytes,
-                             allowed_origins=_origins(args.allowed_origins),
-                             reasoning_parser=args.reasoning_parser, pooling=args.pooling)
+            serve_replicas(spec, args.data_parallel_size, host=args.host, port=args.port,
+                           ray_address=args.ray_address)
         except AsyncLLMError as exc:
             raise SystemExit(f"asyncllm serve: {exc}") from None
+        print("asyncllm serve: stopped", file=sys.stderr)
+        return
+    try:
+        llm, app = spec.build()
+    except AsyncLLMError as exc:  # a bad option value: say which, not a traceback
+        raise SystemExit(f"asyncllm serve: {exc}") from None
+    try:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         # uvicorn re-raises the signal that stopped it once it has shut down: make SIGTERM end
@@ -122,7 +163,3 @@ def _origins(values: list[str]) -> list[str] | None:
     return origins or None
 
 
-async def _load_loras(llm, loras: list[tuple[str, str]]) -> None:
-    for name, path in loras:
-        await llm.add_lora(name, path)
-        logger.info("loaded LoRA adapter %s from %s", name, path)

@@ -1,0 +1,1 @@
+"""Integrations with other systems: ``ray`` (data-parallel replicas on Ray Serve)."""

@@ -304,3 +304,17 @@ def test_w_spec_tiny(model_dirs, tmp_path):
     assert report["workloads"]["free-sampled"]["identical_outputs"] is None
     saved = json.loads(out.read_text())
     assert saved["workload"] == "W-SPEC" and saved["config"]["k"] == 4
+
+
+def test_w_scale_out_tiny(model_dirs, tmp_path):
+    """W-SCALE-OUT's TP part at its tiny size on the tests' Llama: TP=2 gives TP=1's tokens
+    (the DP part runs Ray Serve: tests/test_data_parallel.py covers it)."""
+    from benchmarks import w_scale_out
+
+    out = tmp_path / "w_scale_out.json"
+    report = w_scale_out.main(["--model", str(model_dirs["llama"]), *w_scale_out.SIZES["tiny"], "--json", str(out)])
+    for size in ("1", "2"):
+        row = report["tp"][size]["batches"]["2"]
+        assert row["tokens"] == 2 * 6 and row["tokens_per_s"] > 0 and row["decode_step_ms"] > 0
+        assert row["same_as_tp1"] is True
+    assert json.loads(out.read_text())["workload"] == "W-SCALE-OUT"

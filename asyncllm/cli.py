@@ -63,9 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this machine's place among them: 0 serves, the others only run their ranks")
     engine.add_argument("--seed", type=int, default=None, help="the engine sampler's seed")
     scale = serve.add_argument_group("replicas (docs/scaling.md)")
-    scale.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+    scale.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                        help="serve N engine replicas through Ray Serve, routed with prefix-cache affinity "
-                            "(needs: pip install 'asyncllm[ray]')")
+                            "(needs: pip install 'asyncllm[ray]'); without it: one engine in this process")
+    scale.add_argument("--cpus-per-replica", type=float, default=None, metavar="N",
+                       help="CPUs each replica asks Ray for, and so its threads (default: the cores / N on a "
+                            "local instance, 1 on a cluster)")
     scale.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: a local Ray instance")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],

@@ -276,7 +276,14 @@ def write_report(path: str | os.PathLike | None, report: dict[str, Any]) -> None
 def finish_report(report: dict[str, Any], model_dir: str, load_start: list[float] | None, json_path: str | None,
                   printer: Any) -> dict[str, Any]:
     """The common end of a workload's ``main``: the model and machine records, the table, the JSON."""
-    report["model"] = {"dir": model_dir, "config": model_config(model_dir), "dtype": "float32"}
+    model = {"dir": model_dir, "config": model_config(model_dir), "dtype": "float32"}
+    return publish_report(report, model, load_start, json_path, printer)
+
+
+def publish_report(report: dict[str, Any], model: dict[str, Any], load_start: list[float] | None,
+                   json_path: str | None, printer: Any) -> dict[str, Any]:
+    """Record the model and the machine in ``report``, print its table, write its JSON; return it."""
+    report["model"] = model
     report["machine"] = machine_record(load_start)
     printer(report)
     write_report(json_path, report)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import loadavg, machine_record, utc_now, write_report
+from benchmarks.measure import loadavg, publish_report, utc_now
 
 SIZES = {"full": [], "quick": ["--new-tokens", "32", "--requests", "24"],
          "tiny": ["--tp", "1,2", "--dp", "", "--batch", "2", "--new-tokens", "6", "--requests", "4", "--clients", "2"]}
@@ -215,12 +215,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["dp"]["plain serve"] = measure_dp(model, None, args)
         for size in _ints(args.dp):
             report["dp"][f"DP={size}"] = measure_dp(model, size, args)
-    report["model"] = {"path": model, "dtype": "float32",
-                       "shape": SCALE_OVERRIDES if args.model is None else "see path"}
-    report["machine"] = machine_record(load_start)
-    print_report(report)
-    write_report(args.json, report)
-    return report
+    return publish_report(report, {"path": model, "dtype": "float32",
+                                   "shape": SCALE_OVERRIDES if args.model is None else "see path"},
+                          load_start, args.json, print_report)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.measure import loadavg, machine_record, utc_now, write_report
+from benchmarks.measure import loadavg, publish_report, utc_now
 
 PARAGRAPH = ("The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its "
              "keeper climbed the narrow stairs, trimmed the wick, and watched the beam sweep across the dark "
@@ -155,12 +155,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        ("free-sampled", FREE_PROMPTS, 0.8)):
         report["workloads"][name] = run_workload(engines, prompts[:args.prompts], args, temperature)
     hf = engines["plain"].engine.hf_config
-    report["model"] = {"path": model, "dtype": "float32", "architecture": (hf.architectures or ["?"])[0],
-                       "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size}
-    report["machine"] = machine_record(load_start)
-    print_report(report)
-    write_report(args.json, report)
-    return report
+    return publish_report(report, {"path": model, "dtype": "float32", "architecture": (hf.architectures or ["?"])[0],
+                                   "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size},
+                          load_start, args.json, print_report)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #      kernels against transformers, CUDA-graph replays, greedy parity of every model family;
 #   2. the W-GPU benchmark (benchmarks/w_gpu.py): asyncllm vs transformers continuous batching on
 #      the same GPU, and the roofline ratio;
-#   3. kernel micro-benchmarks (benchmarks/gpu_kernels.py), with whatever time is left.
+#   3. kernel micro-benchmarks (benchmarks/gpu_kernels.py), with whatever time is left;
+#   with two GPUs or more, also TP=2 over NCCL (tests/test_tensor_parallel.py) after the CUDA tests.
 #
 # Usage: scripts/gpu_check.sh RESULTS_DIR
 # Writes into RESULTS_DIR: env.json, pytest.log, pytest.xml, w_gpu.json, w_gpu.log,
@@ -92,6 +93,17 @@ else
     status="skipped: pytest is not installed in $PY"
 fi
 record tests "$status" $((SECONDS - t))
+
+# 1b. Tensor parallelism over NCCL, on machines with two GPUs or more.
+t=$SECONDS
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$gpus" -ge 2 ] && "$PY" -c "import pytest" 2>/dev/null; then
+    run_logged "$OUT/pytest_tp.log" 15 passed 10 120 \
+        "$PY" -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k "tp2_greedy or shards"
+else
+    status="skipped: $gpus GPU(s); TP=2 over NCCL needs two"
+fi
+record tensor_parallel_nccl "$status" $((SECONDS - t))
 
 # 2. W-GPU, keeping about 75 s for the kernel micro-benchmarks and the summary.
 t=$SECONDS

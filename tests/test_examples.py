@@ -150,3 +150,13 @@ def test_decoding_example(model_dirs):
     assert result["best_of"][0].cumulative_logprob >= result["best_of"][1].cumulative_logprob
     spec = asyncio.run(module.speculative_stream(str(model_dirs["llama"])))
     assert spec["text"] == spec["plain"] and spec["stats"]["spec_draft_tokens"] > 0
+
+
+def test_scaling_example(model_dirs):
+    example = _load("scaling")
+    result = asyncio.run(example.run(str(model_dirs["llama"]), max_tokens=8))
+    assert result["tensor_parallel"] == result["one_process"] and all(result["one_process"])
+    pytest.importorskip("ray.serve")
+    from ray.serve import Application
+
+    assert isinstance(example.build_ray_app(str(model_dirs["llama"])), Application)

@@ -304,11 +304,15 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, threads: in
 
     if threads is not None:
         torch.set_num_threads(threads)
+    if backend == "nccl":  # NCCL binds a rank to the current device: make it this rank's GPU first
+        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
     _init_group(backend, init_method, rank, size)
     kind, config = _receive()
-    assert kind == "config"
+    if kind != "config":
+        raise RuntimeError(f"tensor-parallel worker expected rank 0's engine arguments, got {kind!r}")
     if backend == "nccl":
         local_rank = rank % (config.tensor_parallel_size // config.nnodes)
+        torch.cuda.set_device(local_rank)
         config = dataclasses.replace(config, device=f"cuda:{local_rank}")
     source = resolve_model_source(config.model, config.revision, config.hf_token)
     hf_config = load_hf_config(source.root)

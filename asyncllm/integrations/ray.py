@@ -296,21 +296,30 @@ def build_app(model: str | ServeSpec, data_parallel_size: int = 2, *, engine_kwa
     return router.bind(*replicas, names=names, max_imbalance=max_imbalance)
 
 
-def _replica_resources(spec: ServeSpec, tensor_parallel_size: int) -> tuple[float, float]:
-    """CPUs and GPUs one replica asks Ray for: a GPU per tensor-parallel rank on CUDA."""
+def _replica_resources(spec: ServeSpec, replicas: int, local: bool, cpus: float | None) -> tuple[float, float]:
+    """CPUs and GPUs one replica asks Ray for: the given CPUs, or on a local instance an equal share
+    of this machine's cores (1 on a cluster); a GPU per tensor-parallel rank on CUDA. Ray sets a
+    replica's OMP_NUM_THREADS to its CPUs, so they are also its torch threads."""
     import torch
 
+    if cpus is None:
+        cpus = float(max(1, (os.cpu_count() or 1) // replicas)) if local else 1.0
+    if cpus <= 0:
+        raise ConfigError(f"cpus_per_replica must be positive, got {cpus!r}")
     device = str(spec.engine_kwargs.get("device") or "auto")
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    return 1.0, float(tensor_parallel_size) if cuda else 0.0
+    ranks = spec.engine_kwargs.get("tensor_parallel_size") or 1
+    return cpus, float(ranks) if cuda else 0.0
 
 
 def serve_replicas(spec: ServeSpec, data_parallel_size: int, *, host: str = "127.0.0.1", port: int = 8000,
-                   ray_address: str | None = None) -> None:
+                   ray_address: str | None = None, cpus_per_replica: float | None = None) -> None:
     """``asyncllm serve --data-parallel-size N``: start (or join) Ray, deploy the replicas and the
     router on ``host:port``, serve until SIGINT/SIGTERM, then shut the application down."""
     ray, serve = require_ray()
-    cpus, gpus = _replica_resources(spec, spec.engine_kwargs.get("tensor_parallel_size") or 1)
+    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ConfigError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
+    cpus, gpus = _replica_resources(spec, data_parallel_size, local=not ray_address, cpus=cpus_per_replica)
     started_here = not ray.is_initialized()
     if started_here:
         if ray_address:

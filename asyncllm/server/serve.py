@@ -91,12 +91,12 @@ def main(args: argparse.Namespace) -> None:
     if getattr(args, "node_rank", None):
         raise SystemExit(_run_worker_node(args))
     spec = ServeSpec.from_args(args)
-    if (getattr(args, "data_parallel_size", None) or 1) > 1:
+    if getattr(args, "data_parallel_size", None) is not None:  # even 1: one replica on Ray (a cluster's placement)
         from ..integrations.ray import serve_replicas
 
         try:
             serve_replicas(spec, args.data_parallel_size, host=args.host, port=args.port,
-                           ray_address=args.ray_address)
+                           ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica)
         except AsyncLLMError as exc:
             raise SystemExit(f"asyncllm serve: {exc}") from None
         print("asyncllm serve: stopped", file=sys.stderr)

@@ -90,7 +90,8 @@ def measure_tp(model: str, size: int, batches: list[int], new_tokens: int) -> di
             outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
             total = time.perf_counter() - t0
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rows[str(batch)] = {"prefill_s": prefill, "decode_step_ms": 1000 * (total - prefill) / max(1, new_tokens - 1),
+            step_ms = 1000 * (total - prefill) / max(1, new_tokens - 1)
+            rows[str(batch)] = {"prefill_s": prefill, "decode_step_ms": step_ms,
                                 "total_s": total, "tokens": tokens, "tokens_per_s": tokens / total,
                                 "tokens_ids": [o.outputs[0].token_ids for o in outs]}
     return {"start_s": start_s, "batches": rows}

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -104,12 +103,29 @@ def test_tp2_greedy_equals_transformers(model_dir_factory, kind):
     """Llama (GQA: 2 KV heads, one per rank) and Mistral (one KV head, replicated on both ranks)."""
     model_dir = model_dir_factory(kind)
     expected = reference_greedy(model_dir, PROMPTS, GREEDY.max_tokens)
+    threads = torch.get_num_threads()
     with LLM(str(model_dir), tensor_parallel_size=2, **ENGINE) as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert llm.stats()["kv_blocks_used"] == 0
         processes = llm.engine.runner.workers.processes
     assert all(p.poll() is not None for p in processes)  # close() ended the workers
+    assert torch.get_num_threads() == threads  # and gave the host process its threads back
+    if kind == "mistral":  # streams too (Llama's are in the next test)
+        assert asyncio.run(_stream_all(model_dir)) == expected
+
+
+async def _collect(llm: AsyncLLM, prompt) -> list[int]:
+    tokens = []
+    async for out in llm.stream_outputs(prompt, GREEDY):
+        tokens.extend(out.outputs[0].token_ids)  # each output is the step's delta
+    return tokens
+
+
+async def _stream_all(model_dir) -> list[list[int]]:
+    """Every prompt streamed concurrently from a TP=2 AsyncLLM: each request's tokens."""
+    async with AsyncLLM(str(model_dir), tensor_parallel_size=2, **ENGINE) as llm:
+        return list(await asyncio.gather(*(_collect(llm, p) for p in PROMPTS)))
 
 
 def test_tp2_async_streams_equal_transformers_and_a_dead_worker_fails_every_stream(llama_dir):
@@ -118,13 +134,7 @@ def test_tp2_async_streams_equal_transformers_and_a_dead_worker_fails_every_stre
     async def main():
         llm = AsyncLLM(str(llama_dir), tensor_parallel_size=2, **ENGINE)
         try:
-            async def collect(prompt):
-                tokens = []
-                async for out in llm.stream_outputs(prompt, GREEDY):
-                    tokens.extend(out.outputs[0].token_ids)  # each output is the step's delta
-                return tokens
-
-            assert await asyncio.gather(*(collect(p) for p in PROMPTS)) == expected
+            assert await asyncio.gather(*(_collect(llm, p) for p in PROMPTS)) == expected
             # kill the worker while three long streams are open: every one ends with EngineDeadError
             long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
             started = asyncio.Event()

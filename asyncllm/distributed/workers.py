@@ -140,6 +140,7 @@ class WorkerGroup:
         self.failure: str | None = None
         init_method = rendezvous(config)
         threads = _threads_per_rank(config)
+        self._host_threads = torch.get_num_threads()  # given back on close
         if threads is not None:
             torch.set_num_threads(threads)
         self.processes = [spawn_worker(config, rank, init_method) for rank in ranks_on_node(config, 0)[1:]]
@@ -150,6 +151,7 @@ class WorkerGroup:
             self._broadcast(("config", config))
         except BaseException:
             self._kill()
+            torch.set_num_threads(self._host_threads)
             raise
         self._keepalive = threading.Thread(target=self._keep_alive, name="asyncllm-tp-keepalive", daemon=True)
         self._keepalive.start()
@@ -246,6 +248,7 @@ class WorkerGroup:
         self._kill()
         _leave_group()
         _active_group = None
+        torch.set_num_threads(self._host_threads)
 
     def _kill(self) -> None:
         for process in self.processes:
@@ -333,7 +336,7 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, threads: in
 
 def main() -> None:
     """``python -m asyncllm.distributed.workers`` (started by rank 0 or by ``run_worker_node``)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-worker %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-worker %(levelname)s %(name)s: %(message)s")
     payload = pickle.loads(base64.b64decode(sys.stdin.buffer.read()))
     _exit_with_parent()
     config: EngineConfig = payload["config"]

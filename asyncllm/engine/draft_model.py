@@ -59,7 +59,8 @@ class DraftModelProposer(Proposer):
         bytes_per_block = 2 * shape.num_layers * self.block_size * shape.num_kv_heads * shape.head_dim * itemsize
         draft_config = dataclasses.replace(
             config, model=spec.model, revision=None, quantization=None, speculative_config=None,
-            enable_cuda_graphs=False, max_loras=1, tensor_parallel_size=1, nnodes=1, node_rank=0, kv_cache_memory=bytes_per_block * target.num_blocks,
+            enable_cuda_graphs=False, max_loras=1, kv_cache_memory=bytes_per_block * target.num_blocks,
+            tensor_parallel_size=1, nnodes=1, node_rank=0,  # the draft runs whole on rank 0
             dtype=str(target.dtype).removeprefix("torch."), device=str(target.device))
         self.runner = ModelRunner(draft_config, hf_config, source, max_model_len)
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=False)

@@ -197,3 +197,35 @@ def test_two_nodes_on_loopback(llama_dir, monkeypatch):
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+def _worker_pids() -> set[int]:
+    found = subprocess.run(["pgrep", "-f", "asyncllm.distributed.workers"], capture_output=True, text=True)
+    return {int(pid) for pid in found.stdout.split()}
+
+
+def test_serve_with_tensor_parallelism_answers_and_leaves_no_worker_behind(llama_dir):
+    from server_helpers import start_serve
+
+    before = _worker_pids()
+    proc, base = start_serve(str(llama_dir), "--tensor-parallel-size", "2", "--dtype", "float32",
+                             "--kv-cache-memory", str(4 << 20), "--max-model-len", "256", timeout=120)
+    try:
+        assert len(_worker_pids() - before) == 1
+        import httpx
+
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": GREEDY.max_tokens,
+                                                       "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == _tp1_text(llama_dir)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert not _worker_pids() - before
+
+
+def _tp1_text(model_dir) -> str:
+    """The one-process engine's greedy text for the first prompt."""
+    with LLM(str(model_dir), **ENGINE) as llm:
+        return llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].text

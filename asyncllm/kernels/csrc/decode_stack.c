@@ -22,6 +22,10 @@
 #include <immintrin.h>
 #endif
 
+/* glibc's libmvec vector expf (as in elementwise.c): the SiLU and softmax loops vectorise with it,
+ * where the scalar expf of every intermediate column of every layer cost ~0.4 ms per token */
+__attribute__((simd("notinbranch"))) float expf(float);
+
 typedef struct {
     const float *input_norm, *post_norm;      /* [H] */
     const void *qkv, *o, *gate_up, *down;     /* row-major [N][K]: float or int8 */
@@ -459,6 +463,7 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
             for (int64_t m = 0; m < M; m++) {
                 const float *g = gate_up + m * 2 * I, *u = g + I;
                 float *a = act + m * I;
+#pragma omp simd
                 for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
             }
             /* every thread has read gate_up before anyone overwrites delta: delta was last read

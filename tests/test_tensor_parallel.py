@@ -229,3 +229,17 @@ def _tp1_text(model_dir) -> str:
     """The one-process engine's greedy text for the first prompt."""
     with LLM(str(model_dir), **ENGINE) as llm:
         return llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].text
+
+
+def test_q8_0_gguf_under_tp2_equals_one_process(llama_dir, tmp_path):
+    """Int8 rows of a Q8_0 file are cut on their groups of 32 (GGUF's q/k row permutation undone
+    on the whole tensor first): each rank runs exactly the one-process engine's int8 weights."""
+    from asyncllm.toy.gguf_export import export_gguf
+
+    q8 = export_gguf(llama_dir, tmp_path / "toy-q8_0.gguf", "Q8_0")
+    engine = dict(ENGINE, dtype="float32")
+    with LLM(str(q8), **engine) as one:
+        assert one.engine.runner.weight_format.int8
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY)]
+    with LLM(str(q8), tensor_parallel_size=2, **engine) as tp:
+        assert [o.outputs[0].token_ids for o in tp.generate(PROMPTS, GREEDY)] == expected

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -164,11 +165,20 @@ def test_tp2_async_streams_equal_transformers_and_a_dead_worker_fails_every_stre
     asyncio.run(main())
 
 
-def test_one_tensor_parallel_engine_per_process(llama_dir):
+def test_one_tensor_parallel_engine_per_process_and_idle_keep_alive(llama_dir, monkeypatch):
+    from asyncllm.distributed import workers
+
     with LLM(str(llama_dir), tensor_parallel_size=2, **ENGINE):
         with pytest.raises(ConfigError, match="one tensor-parallel engine per process"):
             LLM(str(llama_dir), tensor_parallel_size=2, **ENGINE)
+    monkeypatch.setattr(workers, "KEEPALIVE_S", 0.3)  # idle ranks wait inside a collective that times out
     with LLM(str(llama_dir), tensor_parallel_size=2, **ENGINE) as again:  # the first one closed: fine
+        group = again.engine.runner.workers
+        before = group._last_message
+        deadline = time.monotonic() + 10
+        while group._last_message == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert group._last_message > before and group.healthy  # a no-op went out while idle
         assert again.generate([PROMPTS[2]], GREEDY)[0].outputs[0].token_ids
 
 

@@ -120,3 +120,99 @@ def test_serve_two_replicas_on_ray(llama_dir):
             raise
     shutil.rmtree(session_dir, ignore_errors=True)
     assert proc.returncode == 0, out[-3000:]
+
+
+class _FakeHandle:
+    """A stand-in for a Ray Serve deployment handle: ``options(stream=True).handle.remote(...)``."""
+
+    def __init__(self, events=None, error=None):
+        self.events, self.error, self.calls = events or [], error, []
+
+    def options(self, stream):
+        assert stream is True
+        return self
+
+    @property
+    def handle(self):
+        return self
+
+    def remote(self, *args):
+        self.calls.append(args)
+
+        async def gen():
+            if self.error is not None:
+                raise self.error
+            for event in self.events:
+                yield event
+        return gen()
+
+
+def _router_call(router, body: bytes, headers: dict | None = None):
+    from starlette.requests import Request
+
+    async def main():
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                 "headers": [(k.encode(), v.encode()) for k, v in (headers or {}).items()]}
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        response = await router(Request(scope, receive))
+        chunks = [chunk async for chunk in response.body_iterator] if hasattr(response, "body_iterator") else []
+        return response, b"".join(c if isinstance(c, bytes) else c.encode() for c in chunks)
+
+    return asyncio.run(main())
+
+
+def test_router_streams_the_replica_answer_and_names_it():
+    from asyncllm.integrations.ray import Router
+
+    ok = _FakeHandle([("start", 200, [("content-type", "text/event-stream"), ("content-length", "9")]),
+                      ("body", b"data: 1\n\n"), ("body", b"data: [DONE]\n\n")])
+    router = Router(ok, names=["engine-0"])
+    response, body = _router_call(router, json.dumps({"prompt": "hi"}).encode())
+    assert response.status_code == 200 and body == b"data: 1\n\ndata: [DONE]\n\n"
+    headers = dict(response.headers)
+    assert headers[REPLICA_HEADER] == "engine-0" and "content-length" not in headers
+    assert router.affinity.in_flight == {"engine-0": 0}  # the request is over: counted out again
+    assert ok.calls[0][1] == "/v1/completions"
+
+
+def test_a_failing_replica_is_a_503_in_openai_shape():
+    from asyncllm.integrations.ray import Router
+
+    router = Router(_FakeHandle(error=RuntimeError("actor died")), names=["engine-0"])
+    response, _ = _router_call(router, b"{}")
+    assert response.status_code == 503 and response.headers[REPLICA_HEADER] == "engine-0"
+    error = json.loads(response.body)["error"]
+    assert error["type"] == "server_error" and "actor died" in error["message"]
+    assert router.affinity.in_flight == {"engine-0": 0}
+
+
+def test_call_asgi_streams_and_closing_early_disconnects(llama_dir):
+    """A replica runs the app in-process: SSE events arrive one by one, and a client that goes away
+    (the generator closed early) ends the app's request, leaving the engine empty."""
+    from asyncllm import AsyncLLM
+    from asyncllm.integrations.ray import call_asgi
+    from asyncllm.server.app import create_app
+
+    async def main():
+        async with AsyncLLM(str(llama_dir), dtype="float32") as llm:
+            app = create_app(llm)
+            aborted, abort = [], llm.engine.abort_request
+            llm.engine.abort_request = lambda request_id: (aborted.append(request_id), abort(request_id))
+            body = json.dumps({"prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}).encode()
+            events = call_asgi(app, "POST", "/v1/completions", "", [("content-type", "application/json")], body)
+            kind, status, headers = await events.__anext__()
+            assert (kind, status) == ("start", 200)
+            assert dict(headers)["content-type"].startswith("text/event-stream")
+            kind, chunk = await events.__anext__()
+            assert kind == "body" and chunk.startswith(b"data: ")
+            await events.aclose()  # the client left mid-stream
+            for _ in range(100):
+                if aborted and llm.stats()["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert aborted  # the 400-token request was aborted, not left to finish
+            assert llm.stats()["num_running"] == 0 and llm.stats()["kv_blocks_used"] == 0
+
+    asyncio.run(main())

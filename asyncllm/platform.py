@@ -50,6 +50,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def distributed_backend(device: torch.device) -> str:
+    """The torch.distributed backend of tensor parallelism on ``device``: NCCL on CUDA, else gloo."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     """``auto``: float32 on CPU (fastest there without bf16 matmul units); the checkpoint's
     dtype on CUDA, with float32 checkpoints run in bfloat16."""
@@ -112,5 +117,5 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
         cuda_graphs=(config.enable_cuda_graphs and device.type == "cuda" and backend == "triton"
                      and not interpreting() and not parallel),
         default_token_budget=DEFAULT_TOKEN_BUDGET.get(device.type, 2048),
-        distributed_backend="nccl" if device.type == "cuda" else "gloo",
+        distributed_backend=distributed_backend(device),
     )

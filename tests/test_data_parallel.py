@@ -216,3 +216,24 @@ def test_call_asgi_streams_and_closing_early_disconnects(llama_dir):
             assert llm.stats()["num_running"] == 0 and llm.stats()["kv_blocks_used"] == 0
 
     asyncio.run(main())
+
+
+def test_router_refuses_a_body_past_the_limit_before_reading_it_whole():
+    from asyncllm.integrations.ray import Router
+
+    replica = _FakeHandle([("start", 200, []), ("body", b"{}")])
+    router = Router(replica, names=["engine-0"], max_body_bytes=1024)
+    response, _ = _router_call(router, b'{"prompt": "' + b"x" * 4096 + b'"}')
+    assert response.status_code == 413 and json.loads(response.body)["error"]["code"] == "request_too_large"
+    assert replica.calls == [] and router.affinity.in_flight == {"engine-0": 0}
+    # a big body within the limit is parsed off the loop and still routed
+    router = Router(replica, names=["engine-0"], max_body_bytes=1 << 20)
+    response, body = _router_call(router, json.dumps({"prompt": "y" * 200_000}).encode())
+    assert response.status_code == 200 and body == b"{}"
+
+
+def test_affinity_hashes_only_the_head_of_a_prompt():
+    from asyncllm.integrations.ray import AFFINITY_MAX_CHARS
+
+    router = PrefixAffinity(["a"])
+    assert len(router.block_hashes("z" * (10 * AFFINITY_MAX_CHARS))) == AFFINITY_MAX_CHARS // router.block_chars

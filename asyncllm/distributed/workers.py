@@ -46,9 +46,10 @@ _active_group: "WorkerGroup | None" = None  # torch.distributed has one default 
 
 
 def distributed_backend(config: EngineConfig) -> str:
-    """NCCL when the engine runs on CUDA, else gloo."""
-    cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
-    return "nccl" if cuda else "gloo"
+    """The platform's choice (``asyncllm/platform.py``) for the engine's device."""
+    from ..platform import distributed_backend as backend_for, resolve_device
+
+    return backend_for(resolve_device(config.device))
 
 
 def ranks_on_node(config: EngineConfig, node_rank: int) -> range:

@@ -34,6 +34,8 @@ from dataclasses import replace
 from typing import Any, AsyncIterator, Iterable
 
 from ..errors import ConfigError
+from ..server.errors import APIError
+from ..server.limits import DEFAULT_MAX_BODY_BYTES, read_body
 from ..server.serve import ServeSpec
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ REPLICA_HEADER = "x-asyncllm-replica"
 RAY_MISSING = ("data-parallel serving runs on Ray Serve, which is not installed: pip install 'asyncllm[ray]' "
                "(or: pip install 'ray[serve]')")
 BLOCK_CHARS = 64
+AFFINITY_MAX_CHARS = 16 * 1024  # the prompt's head decides where it goes: hashing more buys nothing
+_INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed in a worker thread
 
 
 def require_ray():
@@ -70,8 +74,10 @@ class PrefixAffinity:
         self._turn = 0
 
     def block_hashes(self, text: str) -> list[int]:
-        """Chained hashes of the text's whole blocks: equal lists mean equal prefixes."""
+        """Chained hashes of the whole blocks of the text's first ``AFFINITY_MAX_CHARS`` characters:
+        equal lists mean equal prefixes."""
         hashes, previous = [], 0
+        text = text[:AFFINITY_MAX_CHARS]
         for start in range(0, len(text) - self.block_chars + 1, self.block_chars):
             previous = hash((previous, text[start:start + self.block_chars]))
             hashes.append(previous)
@@ -130,6 +136,13 @@ def prompt_text(body: bytes) -> str:
     if not isinstance(data, dict):
         return ""
     return "".join(_flatten(data.get(key)) for key in ("instructions", "messages", "prompt", "input"))
+
+
+async def _prompt_text_off_loop(body: bytes) -> str:
+    """:func:`prompt_text`, in a worker thread for a large body (parsing it would hold the router's loop)."""
+    if len(body) <= _INLINE_PARSE_BYTES:
+        return prompt_text(body)
+    return await asyncio.to_thread(prompt_text, body)
 
 
 def _flatten(value: Any) -> str:
@@ -223,22 +236,27 @@ class EngineReplica:
 
 
 class Router:
-    """The HTTP entry (one light process): picks a replica per request and streams its answer."""
+    """The HTTP entry (one light process): picks a replica per request and streams its answer.
+    Bodies past ``max_body_bytes`` (the replicas' own limit) are refused before they are read whole."""
 
-    def __init__(self, *replicas, names: list[str], max_imbalance: int = 8) -> None:
+    def __init__(self, *replicas, names: list[str], max_imbalance: int = 8,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.handles = dict(zip(names, replicas))
         self.affinity = PrefixAffinity(names, max_imbalance)
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse, StreamingResponse
 
-        body = await request.body()
-        pinned = request.headers.get(REPLICA_HEADER)
-        if pinned is not None and pinned not in self.handles:
-            return JSONResponse({"error": {"message": f"{REPLICA_HEADER}: no replica named {pinned!r}; replicas: "
-                                           f"{', '.join(self.handles)}", "type": "invalid_request_error",
-                                           "param": REPLICA_HEADER, "code": None}}, status_code=400)
-        name = pinned or self.affinity.choose(prompt_text(body))
+        try:
+            body = await read_body(request, self.max_body_bytes)
+            pinned = request.headers.get(REPLICA_HEADER)
+            if pinned is not None and pinned not in self.handles:
+                raise APIError(400, f"{REPLICA_HEADER}: no replica named {pinned[:64]!r}; replicas: "
+                               f"{', '.join(self.handles)}", param=REPLICA_HEADER)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        name = pinned or self.affinity.choose(await _prompt_text_off_loop(body))
         self.affinity.started(name)
         try:
             events = self.handles[name].options(stream=True).handle.remote(
@@ -247,8 +265,7 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - the replica is gone or failed: say so, OpenAI-style
             self.affinity.finished(name)
             logger.exception("replica %s failed", name)
-            return JSONResponse({"error": {"message": f"replica {name} failed: {exc}", "type": "server_error",
-                                           "param": None, "code": None}}, status_code=503,
+            return JSONResponse(APIError(503, f"replica {name} failed: {exc}").body(), status_code=503,
                                 headers={REPLICA_HEADER: name})
 
         async def body_pieces():
@@ -293,7 +310,8 @@ def build_app(model: str | ServeSpec, data_parallel_size: int = 2, *, engine_kwa
                 .bind(spec, name) for name in names]
     router = serve.deployment(Router, name="asyncllm-router", num_replicas=1,
                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
-    return router.bind(*replicas, names=names, max_imbalance=max_imbalance)
+    return router.bind(*replicas, names=names, max_imbalance=max_imbalance,
+                       max_body_bytes=spec.app_kwargs.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES)
 
 
 def _replica_resources(spec: ServeSpec, replicas: int, local: bool, cpus: float | None) -> tuple[float, float]:

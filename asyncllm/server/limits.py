@@ -25,6 +25,11 @@ async def read_json_body(request: Request, limit: int) -> bytes:
     if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
         raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got "
                        f"{mime[:64] or 'no Content-Type'}", code="unsupported_media_type")
+    return await read_body(request, limit)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """Read at most ``limit`` bytes of body (413 past it, before reading more); cached for ``request.body()``."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)

@@ -38,6 +38,14 @@ class Sharding:
             return start * s.head_dim, count * s.head_dim
         return tp.split(s.intermediate_size)  # gate_up_proj halves
 
+    def _column_range(self, module: str) -> tuple[int, int]:
+        """(start, count) of the input columns this rank keeps of a row-parallel projection."""
+        s = self.shape
+        if module == "o_proj":
+            start, count = self.tp.split(s.num_heads)
+            return start * s.head_dim, count * s.head_dim
+        return self.tp.split(s.intermediate_size)  # down_proj
+
     def shard(self, param: str, part, tensor: Weight) -> Weight:
         """``tensor`` (a whole checkpoint tensor for ``param``, or its ``part``) cut to this rank."""
         if not self.tp.enabled:
@@ -57,11 +65,8 @@ class Sharding:
             half = s.intermediate_size
             return _cat_rows([_rows(_rows(tensor, at, half), *self._row_ranges("gate_up_proj", p))
                               for at, p in ((0, 0), (half, 1))])
-        if module == "o_proj":
-            start, count = self.tp.split(s.num_heads)
-            return _columns(tensor, start * s.head_dim, count * s.head_dim)
-        if module == "down_proj":
-            return _columns(tensor, *self.tp.split(s.intermediate_size))
+        if module in ("o_proj", "down_proj"):
+            return _columns(tensor, *self._column_range(module))
         if module in ("embed_tokens", "lm_head"):
             start, per_rank = self.tp.vocab(s.vocab_size)
             return _pad_rows(_rows(tensor, start, max(0, min(per_rank, s.vocab_size - start))), per_rank)
@@ -73,18 +78,14 @@ class Sharding:
         products are summed by the layer's all-reduce with the base output)."""
         if not self.tp.enabled:
             return a, b
-        s = self.shape
         if target == "q_proj":
             return a, _rows(b, *self._row_ranges("qkv_proj", "q"))
         if target in ("k_proj", "v_proj"):
             return a, _rows(b, *self._row_ranges("qkv_proj", "k"))
         if target in ("gate_proj", "up_proj"):
             return a, _rows(b, *self._row_ranges("gate_up_proj", 0))
-        if target == "o_proj":
-            start, count = self.tp.split(s.num_heads)
-            return _columns(a, start * s.head_dim, count * s.head_dim), b
-        if target == "down_proj":
-            return _columns(a, *self.tp.split(s.intermediate_size)), b
+        if target in ("o_proj", "down_proj"):
+            return _columns(a, *self._column_range(target)), b
         return a, b
 
 

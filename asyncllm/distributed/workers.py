@@ -290,15 +290,20 @@ def _receive():
     return box[0]
 
 
+def _receive_expected(kind: str):
+    """The payload of rank 0's next message, which must be of ``kind``."""
+    message = _receive()
+    if message[0] != kind:
+        raise RuntimeError(f"tensor-parallel worker expected {kind!r} from rank 0, got {message[0]!r}")
+    return message[1]
+
+
 def receive_value():
     """A worker's side of :meth:`WorkerGroup.share`."""
-    kind, value = _receive()
-    if kind != "value":
-        raise RuntimeError(f"tensor-parallel worker expected a value from rank 0, got {kind!r}")
-    return value
+    return _receive_expected("value")
 
 
-def run_worker(rank: int, size: int, init_method: str, backend: str, threads: int | None) -> None:
+def run_worker(rank: int, size: int, local_rank: int, init_method: str, backend: str, threads: int | None) -> None:
     """One worker rank: join the group, take rank 0's engine arguments, load the shard, then run
     every step rank 0 broadcasts until told to stop."""
     from ..engine.stopping import resolve_max_model_len
@@ -309,14 +314,10 @@ def run_worker(rank: int, size: int, init_method: str, backend: str, threads: in
     if threads is not None:
         torch.set_num_threads(threads)
     if backend == "nccl":  # NCCL binds a rank to the current device: make it this rank's GPU first
-        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
-    _init_group(backend, init_method, rank, size)
-    kind, config = _receive()
-    if kind != "config":
-        raise RuntimeError(f"tensor-parallel worker expected rank 0's engine arguments, got {kind!r}")
-    if backend == "nccl":
-        local_rank = rank % (config.tensor_parallel_size // config.nnodes)
         torch.cuda.set_device(local_rank)
+    _init_group(backend, init_method, rank, size)
+    config = _receive_expected("config")  # rank 0's engine arguments: every rank runs the same engine
+    if backend == "nccl":
         config = dataclasses.replace(config, device=f"cuda:{local_rank}")
     source = resolve_model_source(config.model, config.revision, config.hf_token)
     hf_config = load_hf_config(source.root)
@@ -342,11 +343,17 @@ def main() -> None:
     _exit_with_parent()
     config: EngineConfig = payload["config"]
     try:
-        run_worker(payload["rank"], config.tensor_parallel_size, payload["init_method"], payload["backend"],
-                   payload["threads"])
+        local_rank = payload["rank"] % (config.tensor_parallel_size // config.nnodes)
+        run_worker(payload["rank"], config.tensor_parallel_size, local_rank, payload["init_method"],
+                   payload["backend"], payload["threads"])
     except BaseException as exc:  # noqa: BLE001 - rank 0 sees the closed connection; say why here
         logger.error("tensor-parallel worker rank %d ends: %r", payload["rank"], exc)
         os._exit(1)
+    # skip the interpreter's teardown: collective backends' native threads can abort the process
+    # there ("terminate called without an active exception"), turning a clean stop into a crash status
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_worker_node(config: EngineConfig) -> int:

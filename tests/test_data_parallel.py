@@ -237,3 +237,12 @@ def test_affinity_hashes_only_the_head_of_a_prompt():
 
     router = PrefixAffinity(["a"])
     assert len(router.block_hashes("z" * (10 * AFFINITY_MAX_CHARS))) == AFFINITY_MAX_CHARS // router.block_chars
+
+
+def test_replica_options_without_replicas_are_a_usage_error(llama_dir):
+    from asyncllm.cli import build_parser
+    from asyncllm.server.serve import main
+
+    args = build_parser().parse_args(["serve", str(llama_dir), "--ray-address", "auto"])
+    with pytest.raises(SystemExit, match="--data-parallel-size"):
+        main(args)

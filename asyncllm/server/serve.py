@@ -91,6 +91,10 @@ def main(args: argparse.Namespace) -> None:
     if getattr(args, "node_rank", None):
         raise SystemExit(_run_worker_node(args))
     spec = ServeSpec.from_args(args)
+    if getattr(args, "data_parallel_size", None) is None and (getattr(args, "ray_address", None)
+                                                              or getattr(args, "cpus_per_replica", None)):
+        raise SystemExit("asyncllm serve: --ray-address and --cpus-per-replica apply to replicas: "
+                         "add --data-parallel-size N")
     if getattr(args, "data_parallel_size", None) is not None:  # even 1: one replica on Ray (a cluster's placement)
         from ..integrations.ray import serve_replicas
 

@@ -349,18 +349,15 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero-filled tensor. On CPU it lives in an anonymous memory mapping: the OS hands out its
     pages already zeroed and backs them only once written, so a large KV cache costs resident
     memory as blocks are used, not up front (``torch.zeros`` writes, and so commits, every byte).
-    Transparent huge pages are requested for the mapping (private: shared memory would ignore the
-    request): first touches then fault in 2 MiB at a time, which matters on VMs where every page
-    fault is expensive."""
+    The mapping keeps the system's default page size: no transparent huge pages. A 2 MiB first
+    touch costs ~7 ms on the VMs we measured (the host backs the page then), and a new block touches
+    one fresh page in each layer's K and V at once, so one decode step absorbed 100-170 ms; 4 KiB
+    faults cost ~0.6 ms per MiB spread over every step, and warm decode steps ran no faster with
+    huge pages (docs/benchmarks.md, W-STREAM)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = max(1, math.prod(shape) * torch.finfo(dtype).bits // 8)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private anonymous memory (the default is shared)
-    if hasattr(memory, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # kernels without transparent huge pages: 4 KiB pages, still lazily backed
-            pass
     # frombuffer keeps a reference to the mapping, which lives as long as the tensor
     flat = torch.frombuffer(memory, dtype=torch.uint8)
     return flat[:math.prod(shape) * torch.finfo(dtype).bits // 8].view(dtype).view(shape)

@@ -9,7 +9,8 @@ Model: by default a random-weight Llama of SmolLM2-135M's width and depth (hidde
 
 TP: one ``LLM`` per size (``tensor_parallel_size=N``; the ranks share the machine's cores, each with its part),
 batches of B prompts of 64 tokens, greedy, ``--new-tokens`` new tokens each (EOS ignored). Reported: prefill time
-(a 1-token run), decode step time ((full run - prefill run) / (new tokens - 1)), end-to-end tokens/s.
+(the run's first engine step, which holds every prompt), decode step time (the mean of the run's later steps),
+end-to-end tokens/s; the prefix cache is emptied before each run.
 
 DP: ``asyncllm serve MODEL --data-parallel-size N`` (Ray Serve, one CPU per replica, so one thread each), and, as
 the baseline users start from, plain ``asyncllm serve MODEL`` (one process, every core). ``--clients``
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import loadavg, publish_report, utc_now
+from benchmarks.measure import StepRecorder, loadavg, publish_report, reset_prefix_cache, utc_now
 
 SIZES = {"full": [], "quick": ["--new-tokens", "32", "--requests", "24"],
          "tiny": ["--tp", "1,2", "--dp", "", "--batch", "2", "--new-tokens", "6", "--requests", "4", "--clients", "2"]}
@@ -83,14 +84,15 @@ def measure_tp(model: str, size: int, batches: list[int], new_tokens: int) -> di
         llm.generate(_prompts(1, 8, 99), SamplingParams(max_tokens=2, temperature=0))  # warm-up
         for batch in batches:
             prompts = _prompts(batch, PROMPT_TOKENS)
+            reset_prefix_cache(llm.engine)  # every batch size computes its prompts
+            recorder = StepRecorder(llm.engine)
             t0 = time.perf_counter()
-            llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-            prefill = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+            with recorder.installed():
+                outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
             total = time.perf_counter() - t0
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            step_ms = 1000 * (total - prefill) / max(1, new_tokens - 1)
+            prefill, decode_steps = recorder.step_s[0], recorder.step_s[1:]
+            step_ms = 1000 * sum(decode_steps) / len(decode_steps) if decode_steps else 0.0
             rows[str(batch)] = {"prefill_s": prefill, "decode_step_ms": step_ms,
                                 "total_s": total, "tokens": tokens, "tokens_per_s": tokens / total,
                                 "tokens_ids": [o.outputs[0].token_ids for o in outs]}

@@ -9,8 +9,8 @@ Model: by default a random-weight Llama of SmolLM2-135M's width and depth (hidde
 
 TP: one ``LLM`` per size (``tensor_parallel_size=N``; the ranks share the machine's cores, each with its part),
 batches of B prompts of 64 tokens, greedy, ``--new-tokens`` new tokens each (EOS ignored). Reported: prefill time
-(the run's first engine step, which holds every prompt), decode step time (the mean of the run's later steps),
-end-to-end tokens/s; the prefix cache is emptied before each run.
+(the run's first engine step, which holds every prompt while B x 64 tokens fit its token budget), decode step time
+(the mean of the run's later steps), end-to-end tokens/s; the prefix cache is emptied before each run.
 
 DP: ``asyncllm serve MODEL --data-parallel-size N`` (Ray Serve, one CPU per replica, so one thread each), and, as
 the baseline users start from, plain ``asyncllm serve MODEL`` (one process, every core). ``--clients``

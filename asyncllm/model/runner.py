@@ -356,11 +356,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     huge pages (docs/benchmarks.md, W-STREAM)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = max(1, math.prod(shape) * torch.finfo(dtype).bits // 8)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private anonymous memory (the default is shared)
+    size = math.prod(shape) * torch.finfo(dtype).bits // 8
+    memory = mmap.mmap(-1, max(1, size), flags=mmap.MAP_PRIVATE)  # private anonymous memory (the default is shared)
     # frombuffer keeps a reference to the mapping, which lives as long as the tensor
     flat = torch.frombuffer(memory, dtype=torch.uint8)
-    return flat[:math.prod(shape) * torch.finfo(dtype).bits // 8].view(dtype).view(shape)
+    return flat[:size].view(dtype).view(shape)
 
 
 def _available_ram() -> int:

@@ -67,3 +67,17 @@ def test_engine_packs_its_projections_and_output_is_unchanged(kind, model_dirs, 
     assert isinstance(plain_llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
     plain_tokens = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
     assert packed_tokens == plain_tokens
+
+
+def test_row_buckets_pad_little_and_stay_few():
+    from asyncllm.kernels.cpu_linear import row_bucket
+
+    assert [row_bucket(r) for r in (1, 17, 32)] == [1, 17, 32]  # small calls run exact
+    assert [row_bucket(r) for r in (33, 257, 513, 1025)] == [34, 272, 576, 1152]
+    buckets = {row_bucket(r) for r in range(1, 2049)}
+    assert len(buckets) <= 112  # row counts held per layer shape, well inside oneDNN's 1,024-entry cache
+    for rows in range(1, 5000):
+        bucket = row_bucket(rows)
+        # under 1/16 padding up to 512 rows (a 257-row call once ran at 384), under 1/8 beyond
+        assert rows <= bucket < rows * (1 + (1 / 16 if rows <= 512 else 1 / 8))
+        assert row_bucket(bucket) == bucket

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.kernels.cpu_linear import ENV_SWITCH, PackedLinear, pack_linear_layers, packing_supported
+from asyncllm.kernels.cpu_linear import ENV_SWITCH, PackedLinear, pack_linear_layers, packing_supported, row_bucket
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN")
@@ -70,8 +70,6 @@ def test_engine_packs_its_projections_and_output_is_unchanged(kind, model_dirs, 
 
 
 def test_row_buckets_pad_little_and_stay_few():
-    from asyncllm.kernels.cpu_linear import row_bucket
-
     assert [row_bucket(r) for r in (1, 17, 32)] == [1, 17, 32]  # small calls run exact
     assert [row_bucket(r) for r in (33, 257, 513, 1025)] == [34, 272, 576, 1152]
     buckets = {row_bucket(r) for r in range(1, 2049)}

@@ -362,6 +362,44 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_identity() -> dict[str, Any]:
+    """Which x86 generation this is, as far as /proc/cpuinfo says: VMs name every AMD host "AMD EPYC", and two
+    2-core VMs of that name ran our CPU benchmarks 2.5x apart (docs/benchmarks.md, W-STREAM)."""
+    info: dict[str, Any] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("cpu family", "model", "stepping") and key not in info:
+                    info[key.replace(" ", "_")] = value.strip()
+                elif key == "flags":
+                    flags = set(value.split())
+                    info["avx512"] = "avx512f" in flags
+                    info["avx512_bf16"] = "avx512_bf16" in flags
+                    info["amx"] = "amx_tile" in flags
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def matmul_gflops(size: tuple[int, int, int] = (512, 512, 1408), seconds: float = 0.3) -> float:
+    """Float32 matmul rate of this machine right now (torch, all its threads), a ruler for comparing runs made on
+    different VMs: the shape is a cpu-llama MLP projection at a 512-token prefill chunk."""
+    import torch
+
+    m, k, n = size
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    for _ in range(3):
+        a @ b
+    count, begin = 0, time.perf_counter()
+    while time.perf_counter() - begin < seconds:
+        a @ b
+        count += 1
+    return round(2 * m * k * n * count / (time.perf_counter() - begin) / 1e9, 1)
+
+
 def machine_info() -> dict[str, Any]:
     import torch
     import transformers
@@ -381,6 +419,9 @@ def machine_info() -> dict[str, Any]:
         pass
     return {
         "cpu_model": cpu_model(),
+        **cpu_identity(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "matmul_gflops": matmul_gflops(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": affinity,
         "mem_total_gb": mem_gb,

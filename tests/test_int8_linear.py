@@ -17,7 +17,7 @@ from asyncllm.kernels.int8_weights import dequantize_weight, quantize_weight
 from kernel_cases import DEVICE
 
 needs_c_kernel = pytest.mark.skipif(not il.cpu_kernel_available(), reason="the int8 C kernel cannot be built here")
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17, 32, 64, 130]  # every tile height of both C paths
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17, 23, 24, 32, 64, 130]  # every tile height of the C paths (AVX-512: up to 12)
 # (N, K, G): per channel and G = 32 on SmolLM2-like and odd widths; N not a multiple of 16 (a
 # padded last panel), K not a multiple of 64 (72, 96) or of 8 (per channel 100, 99: K loops with a
 # remainder), groups of 8, 24 and 6
@@ -160,29 +160,39 @@ def test_c_kernel_with_threads_strides_and_leading_dims():
     assert layer(torch.randn(0, 192)).shape == (0, 300)
 
 
-def test_scalar_build_of_the_c_kernel_matches_reference(tmp_path):
-    """The portable loops (machines without AVX2/FMA), built here without AVX2."""
-    from asyncllm.kernels.cpu_build import CSRC, _compiler
+@pytest.mark.parametrize("build, rows_list", [
+    ("scalar", (1, 2, 3, 8, 70)),
+    ("no-avx512", (1, 2, 3, 6, 8, 13, 17, 32, 70)),
+])
+def test_other_builds_of_the_c_kernel_match_reference(tmp_path, build, rows_list):
+    """The portable loops (machines without AVX2/FMA) and the AVX2 micro-kernels (machines without
+    AVX-512), each built here whatever this machine has. The AVX2 build differs from the native one
+    only by AVX-512, whose micro-kernel sums in the same order: equal to the bit."""
+    from asyncllm.kernels.cpu_build import _FLAGS, CSRC, _compiler
 
     compiler = _compiler()
     if compiler is None:
         pytest.skip("no C compiler")
-    out = tmp_path / "int8_scalar.so"
-    done = subprocess.run([compiler, "-O2", "-fopenmp", "-mno-avx2", "-mno-fma", "-shared", "-fPIC", "-o", str(out),
-                           str(CSRC / "int8_linear.c")], capture_output=True, text=True)
+    flags = (["-O2", "-fopenmp", "-mno-avx2", "-mno-fma", "-shared", "-fPIC"] if build == "scalar"
+             else [*_FLAGS, "-mno-avx512f"])
+    out = tmp_path / "int8_build.so"
+    done = subprocess.run([compiler, *flags, "-o", str(out), str(CSRC / "int8_linear.c")],
+                          capture_output=True, text=True)
     if done.returncode:
-        pytest.skip(f"cannot build the scalar kernel here: {done.stderr[-300:]}")
+        pytest.skip(f"cannot build the kernel with {flags} here: {done.stderr[-300:]}")
     lib = ctypes.CDLL(str(out))
     for name, argtypes, restype in il._SIGNATURES:
         getattr(lib, name).argtypes, getattr(lib, name).restype = list(argtypes), restype
-    for n, k, group in [(33, 100, None), (40, 72, 24), (70, 96, 32), (24, 90, 6)]:
+    for n, k, group in [(33, 100, None), (40, 72, 24), (70, 96, 32), (24, 90, 6), (40, 96, None)]:
         q, s, b = _layer(n, k, group, True)
-        for rows in (1, 2, 3, 8, 70):
+        for rows in rows_list:
             x = torch.randn(rows, k)
             y = torch.empty(rows, n)
             assert lib.int8_linear_f32(x.data_ptr(), k, rows, q.data_ptr(), s.data_ptr(), b.data_ptr(), n, k,
                                        k // s.shape[1], y.data_ptr(), n, 1) == 0
             torch.testing.assert_close(y, _reference(x, q, s, b), rtol=1e-4, atol=1e-4)
+            if build == "no-avx512" and il.cpu_kernel_available():
+                assert torch.equal(y, il.cpu_int8_linear(x, q, s, b))
 
 
 @needs_c_kernel

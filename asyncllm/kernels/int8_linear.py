@@ -6,7 +6,8 @@ the format) and picks its kernel from the input:
 - CPU, float32: the C kernel of ``csrc/int8_linear.c``, at every row count. Up to 12 rows
   (decode) it streams the int8 weight and widens it in registers (at one row it reads a quarter of
   the bytes the float32 oneDNN ``PackedLinear`` reads); for more rows it widens each 16-column
-  panel to float32 once per 64 rows, in cache, and runs a 6x16 float micro-kernel over the rows.
+  panel to float32 once per 64 rows, in cache, and runs a float micro-kernel over the rows (12x16
+  with AVX-512, 6x16 with AVX2: the same sums in the same order).
   Widening the whole weight per call and using torch's matmul was measured too and was slower at
   every size, prefill chunks included (``python -m benchmarks.int8_linear``, column ``i8 widen``).
 - CUDA: the Triton kernel of :mod:`.triton_int8_linear` (fp16 / bf16 / fp32 activations);

@@ -459,6 +459,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default: 128)")
     p.add_argument("--gen-len", type=int, default=128, help="generated tokens per request (default: 128)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine and batch size; median reported")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole engine list this many times, engines taking turns, and pool each engine's "
+                        "runs (the machine's speed drifts over minutes: turns keep the comparisons fair)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for torch and llama.cpp (default: the usable cores)")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"subset of {','.join(ENGINES)}")
@@ -487,8 +490,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.engines = [e for e in ENGINES if e in engines
                     and not (args.skip_transformers and e == TRANSFORMERS)
                     and not (args.skip_llamacpp and e.startswith("llamacpp"))]
-    if min(args.prompt_len, args.gen_len, args.repeats) < 1:
-        p.error("--prompt-len, --gen-len and --repeats must be positive")
+    if min(args.prompt_len, args.gen_len, args.repeats, args.rounds) < 1:
+        p.error("--prompt-len, --gen-len, --repeats and --rounds must be positive")
     try:
         args.llm_kwargs = json.loads(args.llm_kwargs)
         assert isinstance(args.llm_kwargs, dict)
@@ -551,6 +554,7 @@ def run_python_engine(entry: dict, factory: Callable[[], tuple[Runner, Any]], ar
                 if b == min(args.batches) and rep == 0:
                     first_outputs[entry["engine"]] = res.outputs[0]
             fig = _batch_figures(b, args.prompt_len, args.gen_len, walls)
+            fig["prefill_runs"] = prefills
             known = [p for p in prefills if p is not None]
             fig["prefill_s"] = statistics.median(known) if known else None
             fig["decode_s"] = fig["seconds"] - fig["prefill_s"] if known else None
@@ -751,8 +755,6 @@ def _max_positions(hf_dir: str | None) -> int | None:
 
 
 def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
-    import torch
-
     load_start = loadavg()
     ncpu = _usable_cores()
     if load_start and load_start[0] > 0.5 * ncpu:
@@ -769,8 +771,51 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
     llm_kwargs = {"dtype": "float32", "device": "cpu", "max_model_len": max_model_len,
                   "max_num_seqs": max(32, max(args.batches)), "skip_tokenizer_init": not args.detokenize,
                   "generation_config": "none", **args.llm_kwargs}
-    results: dict[str, dict[str, Any]] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []
     first_outputs: dict[str, list[int]] = {}
+    for turn in range(args.rounds):
+        if args.rounds > 1:
+            log(f"round {turn + 1} of {args.rounds}")
+        rounds.append(_run_engines(args, hf_dir, ggufs, binary, why, vocab, llm_kwargs, first_outputs))
+    results = merge_rounds(rounds, args)
+    return _finish(args, argv, results, first_outputs, load_start, started, hf_dir, cfg, ggufs, tree, binary, why)
+
+
+def merge_rounds(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """One entry per engine from every round's: runs pooled per batch size, medians recomputed."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged: dict[str, dict[str, Any]] = {}
+    for name, first in rounds[0].items():
+        entry = merged[name] = dict(first, rounds=len(rounds))
+        entry["batches"] = {}
+        for b, fig in first["batches"].items():
+            figs = [r[name]["batches"][b] for r in rounds if b in r[name]["batches"]]
+            walls = [w for f in figs for w in f["wall_s"]]
+            new = _batch_figures(int(b), args.prompt_len, args.gen_len, walls)
+            if "t_pp" in fig:  # llama.cpp: its own prefill and generation times
+                new["t_pp"] = [t for f in figs for t in f["t_pp"]]
+                new["t_tg"] = [t for f in figs for t in f["t_tg"]]
+                new["prefill_s"], new["decode_s"] = statistics.median(new["t_pp"]), statistics.median(new["t_tg"])
+                new.update(_phase_rates(new, int(b), args.prompt_len, args.gen_len))
+                new["jsonl"] = [j for f in figs for j in f["jsonl"]]
+            else:
+                new["prefill_runs"] = [p for f in figs for p in f.get("prefill_runs", [])]
+                known = [p for p in new["prefill_runs"] if p is not None]
+                new["prefill_s"] = statistics.median(known) if known else None
+                new["decode_s"] = new["seconds"] - new["prefill_s"] if known else None
+                new.update(_phase_rates(new, int(b), args.prompt_len, args.gen_len - 1))
+                new["length_mismatches"] = sum(f.get("length_mismatches", 0) for f in figs)
+            entry["batches"][b] = new
+        bad = [r[name] for r in rounds if r[name]["status"] != "ok"]
+        if bad:  # a round that failed or skipped says so in the pooled entry
+            entry.update(status=bad[0]["status"], reason=bad[0]["reason"], error=bad[0]["error"])
+    return merged
+
+
+def _run_engines(args, hf_dir, ggufs, binary, why, vocab, llm_kwargs, first_outputs) -> dict[str, dict[str, Any]]:
+    """Every engine of ``args.engines`` once, in order: {name: entry}."""
+    results: dict[str, dict[str, Any]] = {}
     for name in args.engines:
         entry = results[name] = _entry(name)
         if hf_dir is None:
@@ -798,6 +843,12 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
             run_llamacpp_engine(entry, binary, ggufs[kind], args, missing)
         elif name == TRANSFORMERS:
             run_python_engine(entry, lambda: make_transformers(hf_dir), args, vocab, first_outputs)
+    return results
+
+
+def _finish(args, argv, results, first_outputs, load_start, started, hf_dir, cfg, ggufs, tree, binary, why) -> int:
+    """Print the table, check greedy parity, write the report."""
+    import torch
 
     comps = comparisons(results, args.batches)
     print_table(results, args.batches, comps)
@@ -829,7 +880,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
                   "gguf": {k: str(v) if v else None for k, v in ggufs.items()},
                   "gguf_bytes": {k: v.stat().st_size if v and v.is_file() else None for k, v in ggufs.items()}},
         "workload": {"batches": args.batches, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-                     "repeats": args.repeats, "seed": args.seed, "greedy": True, "ignore_eos": True,
+                     "repeats": args.repeats, "rounds": args.rounds, "seed": args.seed, "greedy": True, "ignore_eos": True,
                      "prompt_ids": f"random.Random(seed * 1000003 + B).randrange({FIRST_ID}, vocab_size)",
                      "warmup": f"per engine and B: B requests of {WARMUP_PROMPT_LEN} prompt / {WARMUP_GEN_LEN} new "
                                "tokens (capped by the workload's)"},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import stat
+import statistics
 import sys
 from pathlib import Path
 
@@ -118,6 +119,31 @@ def test_tiny_run_covers_every_engine_and_batch(llama_dir, tmp_path):
     assert set(r["greedy_check"]["common_prefix_with_asyncllm_f32"]) == {"asyncllm-int8", "transformers"}
     assert r["machine"]["loadavg_start"] is not None and r["machine"]["threads"] == 1
     assert r["command"][:3] == ["python", "-m", "benchmarks.w_real"]
+
+
+def test_rounds_take_turns_and_pool_each_engines_runs(llama_dir, tmp_path):
+    calls = _fake_llamacpp(tmp_path / "llamacpp")
+    gguf = tmp_path / "model-f32.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "w_real.json"
+    code = w_real.main([*w_real.SIZES["tiny"], "--engines", "asyncllm-f32,llamacpp-f32", "--rounds", "2",
+                        "--repeats", "2", "--model-dir", str(llama_dir), "--threads", "1",
+                        "--work-dir", str(tmp_path / "work"), "--llamacpp-dir", str(tmp_path / "llamacpp"),
+                        "--gguf-f32", str(gguf), "--json", str(out)])
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert r["workload"]["rounds"] == 2
+    invocations = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert len(invocations) == 2 * (1 + 2)  # per round: the warm-up and two timed runs
+    for name in ("asyncllm-f32", "llamacpp-f32"):
+        e = r["results"][name]
+        assert e["status"] == "ok" and e["rounds"] == 2
+        for f in e["batches"].values():
+            assert len(f["wall_s"]) == 4 and f["seconds"] == pytest.approx(statistics.median(f["wall_s"]))
+            assert 0 < f["prefill_s"] <= max(f["wall_s"])
+    llama = r["results"]["llamacpp-f32"]["batches"]["2"]
+    assert len(llama["t_pp"]) == 4 and llama["decode_s"] == pytest.approx(statistics.median(llama["t_tg"]))
+    assert len(r["results"]["asyncllm-f32"]["batches"]["1"]["prefill_runs"]) == 4
 
 
 def test_without_llamacpp_its_engines_are_skipped_with_a_reason(llama_dir, tmp_path, capsys):

@@ -1,6 +1,6 @@
 """W-REAL benchmark: a real model, SmolLM2-135M-Instruct, against llama.cpp and transformers (docs/benchmarks.md).
 
-    python -m benchmarks.w_real [--batches 1,8,32] [--prompt-len 128] [--gen-len 128] [--repeats 1]
+    python -m benchmarks.w_real [--batches 1,8,32] [--prompt-len 128] [--gen-len 128] [--repeats 1] [--rounds 1]
                                 [--llamacpp-dir DIR] [--build-llamacpp] [--skip-transformers] [--json out.json]
 
 Model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, vocabulary 49152, tied
@@ -13,7 +13,9 @@ Workload: B requests at once (B in ``--batches``), each a ``--prompt-len`` promp
 batch size, ids >= 17 so no special token, every request different) and ``--gen-len`` new tokens, greedy,
 ignore_eos. Time = wall time from submitting the B requests to the last token; tokens/s = B * gen_len / time,
 total tokens/s = B * (prompt_len + gen_len) / time. One untimed warm-up per engine and batch size (B requests of
-at most 16 prompt and 4 new tokens), then ``--repeats`` timed runs; the median is reported.
+at most 16 prompt and 4 new tokens), then ``--repeats`` timed runs; the median is reported. ``--rounds R`` runs the
+whole engine list R times, engines taking turns, and pools each engine's runs: the machine's speed drifts over
+minutes, and turns spread that drift over every engine.
 
 Engines:
   asyncllm-f32        ``LLM(hf_dir).generate(token id prompts, SamplingParams(temperature=0, ignore_eos=True))``,

@@ -10,8 +10,8 @@ level the same requests run through both, ``--repeats`` times in alternating ord
 the policy first, ...), with the prefix cache emptied before each run; a mode's figures pool all its runs
 (tokens/s = all tokens / all wall time, percentiles over every gap and first token).
 Concurrency ``c`` means ``c`` closed-loop clients that join one every ``--arrival-interval`` seconds (client ``i``
-begins at ``i * interval``; 0.25 s is about the rate at which requests end, and so arrive, once 64 streams run
-here), each streaming a request with ``stream_outputs`` and submitting its next one as soon as the previous
+begins at ``i * interval``; at 64 streams requests end, and so arrive, every ~0.34 s on the slower of the two VMs
+of docs/benchmarks.md and every ~0.145 s on the faster one: the ramp adds to that), each streaming a request with ``stream_outputs`` and submitting its next one as soon as the previous
 ends: prompts keep arriving while the other streams decode, without the all-at-once burst W-SCALE measures. Requests: prompt
 length log-uniform in [16, 1024] tokens, output length uniform in [32, 256] (``random.Random(seed)``; ``--scale``
 shrinks both ranges), ``requests-per-client * c`` of them. Latency is the consumer's: TTFT from the request's own

@@ -21,14 +21,16 @@ from asyncllm.toy import example_parser, parse_example_args
 LONG_PROMPT = list(range(20, 20 + 400))  # token ids: no tokenizer needed for the shape of the load
 
 
-async def _stream_gaps(llm: AsyncLLM, prompt: list[int], max_tokens: int) -> float:
-    """Stream one request; the longest gap between two of its tokens, in seconds."""
+async def _stream_gaps(llm: AsyncLLM, prompt: list[int], max_tokens: int, started: asyncio.Event) -> float:
+    """Stream one request; the longest gap between two of its tokens, in seconds. ``started`` is set at
+    its first token."""
     last, longest = None, 0.0
     async for _ in llm.stream_outputs(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
         now = time.perf_counter()
         if last is not None:
             longest = max(longest, now - last)
         last = now
+        started.set()
     return longest
 
 
@@ -51,8 +53,9 @@ async def arrivals(model: str, max_itl_ms) -> dict[str, float]:
     """Four streams decoding; four long prompts arrive while they do."""
     async with AsyncLLM(model, max_itl_ms=max_itl_ms, max_num_batched_tokens=1024) as llm:
         chunks = _record_chunks(llm)
-        streams = [asyncio.create_task(_stream_gaps(llm, [5 + i, 6, 7], 96)) for i in range(4)]
-        await asyncio.sleep(0.05)  # the streams are decoding now
+        started = [asyncio.Event() for _ in range(4)]
+        streams = [asyncio.create_task(_stream_gaps(llm, [5 + i, 6, 7], 96, started[i])) for i in range(4)]
+        await asyncio.gather(*(event.wait() for event in started))  # every stream is decoding now
         newcomers = [llm.generate(LONG_PROMPT + [i], max_tokens=4, ignore_eos=True) for i in range(4)]
         await asyncio.gather(*newcomers)
         gaps = await asyncio.gather(*streams)

@@ -91,6 +91,19 @@ def test_free_blocks_keep_content_until_evicted_lru():
     assert pool.lookup(_key(1)) == a and pool.lookup(_key(2)) == b
 
 
+def test_reset_prefix_cache_hands_out_written_blocks_before_untouched_ones():
+    pool = BlockPool(6)
+    a, b, c = pool.allocate(3)  # 3, 4 and 5 never written
+    for block, n in ((a, 1), (b, 2), (c, 3)):
+        pool.register(block, _key(n))
+    pool.free([c, b, a])  # cached: kept behind the untouched blocks
+    assert pool.allocate(1) == [3]
+    pool.free([3])  # no content: evicted first
+    pool.reset_prefix_cache()
+    assert pool.lookup(_key(1)) is None and pool.num_cached == 0
+    assert pool.allocate(6) == [c, b, a, 3, 4, 5]  # the once-cached blocks first, in their eviction order
+
+
 def test_collision_is_resolved_by_token_equality():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)

@@ -108,6 +108,16 @@ class BlockPool:
                 del self._cached[key]
 
     def reset_prefix_cache(self) -> None:
-        """Drop all cached content of free blocks (used blocks keep theirs)."""
-        for block_id in list(self._free):
-            self._forget(block_id)
+        """Drop all cached content of free blocks (used blocks keep theirs).
+
+        The blocks that held content move to the front of the free list, as a freed block without
+        reusable content does: they were written before, so reusing them first spares the first
+        touch of never-used KV memory (a page fault per 4 KiB on CPU: writing a 4,096-token SmolLM2
+        prefill's KV took 195 ms into fresh blocks, 25 ms into reused ones, of a ~2.5 s prefill)."""
+        emptied = []
+        for block_id in self._free:
+            if self.block_keys[block_id] is not None:
+                self._forget(block_id)
+                emptied.append(block_id)
+        for block_id in reversed(emptied):  # keep their eviction order among themselves
+            self._free.move_to_end(block_id, last=False)

@@ -371,8 +371,9 @@ def cpu_identity() -> dict[str, Any]:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key in ("cpu family", "model", "stepping") and key not in info:
-                    info[key.replace(" ", "_")] = value.strip()
+                names = {"cpu family": "cpu_family", "model": "cpu_model_number", "stepping": "cpu_stepping"}
+                if key in names and names[key] not in info:
+                    info[names[key]] = value.strip()
                 elif key == "flags":
                     flags = set(value.split())
                     info["avx512"] = "avx512f" in flags

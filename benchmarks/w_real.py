@@ -882,7 +882,8 @@ def _finish(args, argv, results, first_outputs, load_start, started, hf_dir, cfg
                   "gguf": {k: str(v) if v else None for k, v in ggufs.items()},
                   "gguf_bytes": {k: v.stat().st_size if v and v.is_file() else None for k, v in ggufs.items()}},
         "workload": {"batches": args.batches, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-                     "repeats": args.repeats, "rounds": args.rounds, "seed": args.seed, "greedy": True, "ignore_eos": True,
+                     "repeats": args.repeats, "rounds": args.rounds, "seed": args.seed, "greedy": True,
+                     "ignore_eos": True,
                      "prompt_ids": f"random.Random(seed * 1000003 + B).randrange({FIRST_ID}, vocab_size)",
                      "warmup": f"per engine and B: B requests of {WARMUP_PROMPT_LEN} prompt / {WARMUP_GEN_LEN} new "
                                "tokens (capped by the workload's)"},

@@ -351,37 +351,36 @@ def roofline(workload: Workload, gflops: float, cfg: dict[str, Any] = CPU_LLAMA_
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def cpu_model() -> str:
+def _first_cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, sep, value = line.partition(":")
+                if not line.strip() and fields:
+                    break
+                if sep:
+                    fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_model() -> str:
+    return _first_cpu_info().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_identity() -> dict[str, Any]:
     """Which x86 generation this is, as far as /proc/cpuinfo says: VMs name every AMD host "AMD EPYC", and two
     2-core VMs of that name ran our CPU benchmarks 2.5x apart (docs/benchmarks.md, W-STREAM)."""
-    info: dict[str, Any] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                names = {"cpu family": "cpu_family", "model": "cpu_model_number", "stepping": "cpu_stepping"}
-                if key in names and names[key] not in info:
-                    info[names[key]] = value.strip()
-                elif key == "flags":
-                    flags = set(value.split())
-                    info["avx512"] = "avx512f" in flags
-                    info["avx512_bf16"] = "avx512_bf16" in flags
-                    info["amx"] = "amx_tile" in flags
-                    break
-    except OSError:
-        pass
+    fields = _first_cpu_info()
+    info: dict[str, Any] = {name: fields[key] for key, name in
+                            (("cpu family", "cpu_family"), ("model", "cpu_model_number"), ("stepping", "cpu_stepping"))
+                            if key in fields}
+    if "flags" in fields:
+        flags = set(fields["flags"].split())
+        info.update(avx512="avx512f" in flags, avx512_bf16="avx512_bf16" in flags, amx="amx_tile" in flags)
     return info
 
 

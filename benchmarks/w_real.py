@@ -520,6 +520,30 @@ def _phase_rates(fig: dict[str, Any], batch: int, prompt_len: int, decode_steps:
             "decode_tokens_per_s": batch * decode_steps / dec if dec and decode_steps > 0 else None}
 
 
+def _python_figures(batch: int, args: argparse.Namespace, walls: list[float], prefills: list[float | None],
+                    mismatches: int) -> dict[str, Any]:
+    """An in-process engine's figures at one batch size from its runs' wall and prefill times."""
+    fig = _batch_figures(batch, args.prompt_len, args.gen_len, walls)
+    fig["prefill_runs"] = prefills
+    known = [p for p in prefills if p is not None]
+    fig["prefill_s"] = statistics.median(known) if known else None
+    fig["decode_s"] = fig["seconds"] - fig["prefill_s"] if known else None
+    fig.update(_phase_rates(fig, batch, args.prompt_len, args.gen_len - 1))  # the prefill made token 1
+    fig["length_mismatches"] = mismatches
+    return fig
+
+
+def _llamacpp_figures(batch: int, args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp's figures at one batch size from its runs' jsonl rows (t, t_pp, t_tg)."""
+    fig = _batch_figures(batch, args.prompt_len, args.gen_len, [r["t"] for r in runs])
+    fig["prefill_s"] = statistics.median(r["t_pp"] for r in runs)
+    fig["decode_s"] = statistics.median(r["t_tg"] for r in runs)
+    fig.update(_phase_rates(fig, batch, args.prompt_len, args.gen_len))  # tg steps after the prompt's
+    fig["t_pp"], fig["t_tg"] = [r["t_pp"] for r in runs], [r["t_tg"] for r in runs]
+    fig["jsonl"] = runs
+    return fig
+
+
 def _fail(entry: dict, e: BaseException) -> None:
     if isinstance(e, Unavailable):
         entry.update(status="skipped", reason=str(e))
@@ -555,14 +579,7 @@ def run_python_engine(entry: dict, factory: Callable[[], tuple[Runner, Any]], ar
                     f"{b * args.gen_len / res.wall_s:.1f} tok/s")
                 if b == min(args.batches) and rep == 0:
                     first_outputs[entry["engine"]] = res.outputs[0]
-            fig = _batch_figures(b, args.prompt_len, args.gen_len, walls)
-            fig["prefill_runs"] = prefills
-            known = [p for p in prefills if p is not None]
-            fig["prefill_s"] = statistics.median(known) if known else None
-            fig["decode_s"] = fig["seconds"] - fig["prefill_s"] if known else None
-            fig.update(_phase_rates(fig, b, args.prompt_len, args.gen_len - 1))  # the prefill made token 1
-            fig["length_mismatches"] = mismatches
-            entry["batches"][str(b)] = fig
+            entry["batches"][str(b)] = _python_figures(b, args, walls, prefills, mismatches)
     except Exception as e:  # noqa: BLE001 - report and carry on with the other engines
         _fail(entry, e)
     finally:
@@ -591,13 +608,7 @@ def run_llamacpp_engine(entry: dict, binary: Path | None, gguf: Path | None, arg
                     f"(pp {got[b]['t_pp']:.3f}s + tg {got[b]['t_tg']:.3f}s), "
                     f"{b * args.gen_len / got[b]['t']:.1f} tok/s")
         for b in args.batches:
-            fig = _batch_figures(b, args.prompt_len, args.gen_len, [r["t"] for r in rows[b]])
-            fig["prefill_s"] = statistics.median(r["t_pp"] for r in rows[b])
-            fig["decode_s"] = statistics.median(r["t_tg"] for r in rows[b])
-            fig.update(_phase_rates(fig, b, args.prompt_len, args.gen_len))  # tg steps after the prompt's
-            fig["t_pp"], fig["t_tg"] = [r["t_pp"] for r in rows[b]], [r["t_tg"] for r in rows[b]]
-            fig["jsonl"] = rows[b]
-            entry["batches"][str(b)] = fig
+            entry["batches"][str(b)] = _llamacpp_figures(b, args, rows[b])
         first = rows[args.batches[0]][0]
         entry["settings"] = {k: first.get(k) for k in ("n_kv_max", "n_batch", "n_ubatch", "flash_attn",
                                                       "n_threads", "n_threads_batch")}
@@ -793,21 +804,12 @@ def merge_rounds(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespa
         entry["batches"] = {}
         for b, fig in first["batches"].items():
             figs = [r[name]["batches"][b] for r in rounds if b in r[name]["batches"]]
-            walls = [w for f in figs for w in f["wall_s"]]
-            new = _batch_figures(int(b), args.prompt_len, args.gen_len, walls)
-            if "t_pp" in fig:  # llama.cpp: its own prefill and generation times
-                new["t_pp"] = [t for f in figs for t in f["t_pp"]]
-                new["t_tg"] = [t for f in figs for t in f["t_tg"]]
-                new["prefill_s"], new["decode_s"] = statistics.median(new["t_pp"]), statistics.median(new["t_tg"])
-                new.update(_phase_rates(new, int(b), args.prompt_len, args.gen_len))
-                new["jsonl"] = [j for f in figs for j in f["jsonl"]]
+            if "jsonl" in fig:  # llama.cpp
+                new = _llamacpp_figures(int(b), args, [j for f in figs for j in f["jsonl"]])
             else:
-                new["prefill_runs"] = [p for f in figs for p in f.get("prefill_runs", [])]
-                known = [p for p in new["prefill_runs"] if p is not None]
-                new["prefill_s"] = statistics.median(known) if known else None
-                new["decode_s"] = new["seconds"] - new["prefill_s"] if known else None
-                new.update(_phase_rates(new, int(b), args.prompt_len, args.gen_len - 1))
-                new["length_mismatches"] = sum(f.get("length_mismatches", 0) for f in figs)
+                new = _python_figures(int(b), args, [w for f in figs for w in f["wall_s"]],
+                                      [p for f in figs for p in f["prefill_runs"]],
+                                      sum(f["length_mismatches"] for f in figs))
             entry["batches"][b] = new
         bad = [r[name] for r in rounds if r[name]["status"] != "ok"]
         if bad:  # a round that failed or skipped says so in the pooled entry

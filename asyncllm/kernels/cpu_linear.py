@@ -83,9 +83,9 @@ def row_bucket(rows: int) -> int:
     the cache churns and the process's memory creeps up for thousands of requests (W-SOAK measured
     it). Each row count seen also keeps memory of its own, outside that cache, growing with the rows
     (about 14 MB for a 2048x2048 weight at 1,500 rows; docs/cpu.md), hence coarser buckets for large
-    calls: one layer shape has at most 112 of them up to 2,048 rows. Padding stays under 1/16 of the rows up to 512 rows, where a
-    stall-free step's decodes plus a prefill chunk land (multiples of 128 made a 257-row call 40%
-    slower than an exact one), and under 1/8 beyond."""
+    calls: one layer shape has at most 112 of them up to 2,048 rows. Padding stays under 1/16 of the
+    rows up to 512 rows, where a stall-free step's decodes plus a prefill chunk land (multiples of 128
+    made a 257-row call 40% slower than an exact one), and under 1/8 beyond."""
     if rows <= 32:
         return rows
     per_octave_log2 = 4 if rows <= 512 else 3

@@ -217,8 +217,9 @@ static inline __attribute__((always_inline)) void tile_float(
 
 #define FLOAT_TILE(r) case r: tile_float(r, x, xs, wf, K, out); break;
 
-__attribute__((noinline, unused)) static void tile_from_float(int rows, const float *x, int64_t xs, const float *wf, int64_t K,
-                                                      float *out) {
+/* (unused where the AVX-512 kernel replaces it) */
+__attribute__((noinline, unused)) static void tile_from_float(int rows, const float *x, int64_t xs, const float *wf,
+                                                              int64_t K, float *out) {
     switch (rows) {
         FLOAT_TILE(1) FLOAT_TILE(2) FLOAT_TILE(3) FLOAT_TILE(4) FLOAT_TILE(5) FLOAT_TILE(6)
         default: break;

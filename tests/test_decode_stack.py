@@ -10,7 +10,7 @@ import torch
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.kernels import cpu_decode_stack
-from asyncllm.kernels.cpu_decode_stack import MAX_ROWS
+from asyncllm.kernels.cpu_decode_stack import MAX_PANEL_ROWS, MAX_ROWS, panels_supported, to_panels
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
 
@@ -57,13 +57,15 @@ def test_stack_equals_module_path(kind, model_dirs):
 
 
 def test_stack_with_two_threads_and_full_batches(model_dirs):
-    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_seqs=32)
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_seqs=80)
+    stack = llm.engine.runner.decode_stack
+    assert stack.max_rows == (MAX_PANEL_ROWS if panels_supported() else MAX_ROWS)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        calls = _compare(llm, _prompts(MAX_ROWS))
+        calls = _compare(llm, _prompts(stack.max_rows))
         assert calls >= 19
-        _, calls = _run(llm, _prompts(MAX_ROWS + 1), True)  # too many rows: the regular path
+        _, calls = _run(llm, _prompts(stack.max_rows + 1), True)  # too many rows: the regular path
         assert calls == 0
     finally:
         torch.set_num_threads(threads)
@@ -90,3 +92,31 @@ def test_sampled_rows_and_mixed_steps_are_unchanged(model_dirs):
     plain, _ = _run(llm, _prompts(4, seed=3), False, params)
     assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
     assert calls > 0
+
+
+def test_panels_layout():
+    weight = torch.arange(40 * 8, dtype=torch.float32).reshape(40, 8)
+    panels = to_panels(weight)
+    assert panels.shape == (2, 8, 32) and panels.is_contiguous()
+    assert torch.equal(panels[0], weight[:32].T) and torch.equal(panels[1, :, :8], weight[32:].T)
+    assert not panels[1, :, 8:].any()  # columns past N are zero
+
+
+def test_stack_over_every_batch_size_and_odd_widths(model_dir_factory):
+    """Widths that are not multiples of a panel (gate_up 144, down 48 outputs: padded panels), a head size
+    of 12, and a batch that shrinks from 14 rows to 1 as requests end (every tile height, one and two
+    tiles per panel) all match the module path."""
+    model = model_dir_factory("llama", hidden_size=48, intermediate_size=72, num_attention_heads=4,
+                              num_key_value_heads=2)
+    llm = LLM(str(model), dtype="float32", block_size=4)
+    assert llm.engine.runner.decode_stack is not None
+    prompts = _prompts(14, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True, logprobs=0) for i in range(14)]
+    fused, calls = _run(llm, prompts, True, params)
+    plain, _ = _run(llm, prompts, False, params)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())) for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())) for d in b.outputs[0].logprobs]
+        assert la == pytest.approx(lb, abs=1e-4)
+    assert calls >= (14 if panels_supported() else 4)

@@ -1,14 +1,18 @@
-"""The CPU decode step of a small batch as one C call (``csrc/decode_stack.c``).
+"""The CPU decode step of a batch as one C call (``csrc/decode_stack.c``).
 
-A decode-only step of at most :data:`MAX_ROWS` (4) sequences (one new token each) skips the module-by-
-module forward: after the embedding lookup, one call runs every layer, and the LM head follows.
-That is where batch-1 latency goes on CPU: ~15 torch operations per layer cost more than reading
-the layer's weights. Larger batches and prefill chunks keep the regular path (oneDNN projections,
-whose packed layout wins once a weight is reused by many rows).
+A decode-only step (one new token per sequence) of at most :data:`MAX_PANEL_ROWS` (64) sequences on
+float32 weights, or :data:`MAX_ROWS` (4) on int8 weights or on a build without AVX-512, skips the
+module-by-module forward: after the embedding lookup, one call runs every layer, and the LM head
+follows. At batch 1, ~15 torch operations per layer cost more than reading the layer's weights; at
+batch 32 on SmolLM2 the module path spent ~10 of a 41 ms step between its projections (norms,
+rotary, cache writes, attention calls, Python), and its oneDNN projections reached 370 GFLOP/s
+where this kernel's register-blocked tiles reach more (31 ms a step; docs/cpu.md). Prefill chunks,
+mixed steps and larger batches keep the regular path (oneDNN's packed GEMM wins on many rows).
 
-Weights are read row-major: float32 projections as loaded (the oneDNN-packed copies serve the
-regular path, so float32 weights are held twice while this path is on; ``ASYNCLLM_CPU_DECODE_STACK=0``
-turns it off), int8 projections straight from their ``qweight``/``scales`` buffers (no second copy).
+Float32 projections are read as panels of 32 output columns (:func:`to_panels`, made at load; the
+oneDNN-packed copies serve the regular path, so float32 weights are held twice while this path is
+on; ``ASYNCLLM_CPU_DECODE_STACK=0`` turns it off); builds without AVX-512 read them row-major.
+Int8 projections are read straight from their ``qweight``/``scales`` buffers (no second copy).
 Not used for LoRA steps, Qwen3's q/k norms, or shapes the kernel does not take (widths not a
 multiple of 8).
 """
@@ -28,7 +32,13 @@ from .metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "ASYNCLLM_CPU_DECODE_STACK"
-MAX_ROWS = 4  # decode batches up to this size run here; from 8 rows oneDNN's packed GEMM is faster (measured on SmolLM2)
+# Decode batches up to this size run here on row-major weights (int8, or float32 without AVX-512); from
+# 8 rows oneDNN's packed GEMM is faster than their per-row dot products (measured on SmolLM2).
+MAX_ROWS = 4
+# ... and up to this size on float32 panels, whose tiles beat oneDNN at 8-64 rows (measured on SmolLM2:
+# 14.5 vs 20.5 ms a step at 8 rows, 31 vs 41 at 32, 60 vs 70 at 64).
+MAX_PANEL_ROWS = 64
+PANEL = 32  # output columns per panel (csrc/decode_stack.c)
 # Speculative verification steps of one or two sequences (1 + k rows each) also run here, one row per token:
 # the general path's per-layer torch calls cost more than the extra rows (docs/decoding.md).
 MAX_CHAINED_ROWS = 8
@@ -43,7 +53,8 @@ class _Layer(ctypes.Structure):
 
 _SIGNATURES = (("decode_stack_f32", (ctypes.POINTER(_Layer), _i64, _int, _i64, _ptr, _i64, _ptr, _f32, _i64, _i64,
                                      _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _f32,
-                                     _int, _int), _int),)
+                                     _int, _int), _int),
+               ("decode_stack_panels", (), _int))
 
 
 def _library() -> ctypes.CDLL | None:
@@ -54,10 +65,28 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _projection(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(row-major weight, scales or None, bias or None) of a projection: nn.Linear or Int8Linear."""
+def panels_supported() -> bool:
+    """Whether the built kernel reads float32 weights in panels (AVX-512 builds), and so takes decode
+    batches up to :data:`MAX_PANEL_ROWS` rows."""
+    lib = _library()
+    return lib is not None and bool(lib.decode_stack_panels())
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] weight as the kernel's panels: [ceil(N / 32), K, 32], zero columns past N."""
+    n, k = weight.shape
+    padded = -(-n // PANEL) * PANEL
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return weight.reshape(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def _projection(module: nn.Module, panels: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(weight as the kernel reads it, scales or None, bias or None) of a projection: nn.Linear (row-major,
+    or panels) or Int8Linear (row-major int8)."""
     if isinstance(module, nn.Linear):
-        return module.weight.detach().contiguous(), None, module.bias
+        weight = module.weight.detach()
+        return (to_panels(weight) if panels else weight.contiguous()), None, module.bias
     qweight, scales = getattr(module, "qweight", None), getattr(module, "scales", None)
     if qweight is None or scales is None or qweight.dtype != torch.int8:
         raise TypeError(f"no row-major weight for {type(module).__name__}")
@@ -72,6 +101,8 @@ class DecodeStack:
                  group: int) -> None:
         shape = model.shape
         self.shape, self.int8, self.group = shape, int8, group
+        self.panels = not int8 and panels_supported()
+        self.max_rows = MAX_PANEL_ROWS if self.panels else MAX_ROWS
         self.model = model
         self._keep: list[torch.Tensor] = []  # every tensor a pointer refers to
         layers = (_Layer * shape.num_layers)()
@@ -81,7 +112,7 @@ class DecodeStack:
                       "k_cache": k_cache, "v_cache": v_cache}
             for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
-                weight, scales, bias = _projection(module)
+                weight, scales, bias = _projection(module, self.panels)
                 fields[name], fields[f"{name}_scales"] = weight, scales
                 if name == "qkv":
                     fields["qkv_bias"] = bias
@@ -125,7 +156,7 @@ class DecodeStack:
     def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """A decode-only step small enough for this path (or a verification step laid out as one,
         one row per token: ``meta.chained``)."""
-        limit = MAX_CHAINED_ROWS if meta.chained else MAX_ROWS
+        limit = MAX_CHAINED_ROWS if meta.chained else self.max_rows
         return num_tokens <= limit and len(meta.decode_indices) == meta.num_seqs == num_tokens
 
     @torch.inference_mode()

@@ -1,13 +1,16 @@
-/* The whole decoder stack for a small decode-only batch (one new token per sequence) in one call.
+/* The whole decoder stack for a decode-only batch (one new token per sequence) in one call.
  *
  * Why: at batch 1 a step of a small model is ~30 layers x ~15 torch operations, each a Python call
  * and a kernel launch; together they cost more than streaming the weights once. Here one call runs
  * every layer inside one OpenMP parallel region: RMSNorm, the fused qkv projection (+ bias), rotary
  * embedding, the KV-cache write, paged attention, the output projection, the residual add, the
- * fused gate/up projection, SiLU-and-multiply and the down projection. Projections are matrix-vector
- * products over row-major weights, float32 or int8 with float32 scales (per output channel or per
- * group of input columns), read once per step for all the batch's rows: the step streams the
- * weights once, which is what bounds it.
+ * fused gate/up projection, SiLU-and-multiply and the down projection. Every weight is read once per
+ * step for all the batch's rows. Float32 weights come in panels of 32 output columns on AVX-512
+ * builds (project_panels: register-blocked tiles of up to 12 rows, for batches up to 64 rows),
+ * otherwise row-major, as int8 weights with float32 scales (per output channel or per group of input
+ * columns) always are (dot products per row, for batches up to 4 rows). At one row the step streams
+ * the weights once, which is what bounds it; at 32 rows the tiles' FMAs are.
+ * Attention is paged_attention.h's loop, shared with paged_decode.c.
  *
  * Numerics follow transformers' Llama: RMSNorm in float32 as x * rsqrt(mean(x^2) + eps) * w,
  * rotate-half rope with the engine's cos/sin tables, softmax(q k^T * scale) v. Summation order
@@ -21,6 +24,8 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+
+#include "paged_attention.h"
 
 /* glibc's libmvec vector expf (as in elementwise.c): the SiLU and softmax loops vectorise with it,
  * where the scalar expf of every intermediate column of every layer cost ~0.4 ms per token */
@@ -272,9 +277,97 @@ static void gemv1_i8_madd(const int16_t *xq, const float *xs, int64_t K, const i
 }
 #endif
 
+#ifdef __AVX512F__
+/* Float32 weights in panels of 32 output columns, [ceil(N / 32)][K][32] (zero columns past N): a
+ * row of a panel is two zmm vectors, so a tile of R rows of x times a panel is R broadcasts and 2R
+ * FMAs per input column into 2R accumulators held in registers, without the horizontal sums of a
+ * dot product. One layout serves every batch size: at one row it streams the weight once (as the
+ * row-major loops do), at 32 rows it is the register-blocked GEMM that the per-row dot products
+ * are not. The first tile over a panel streams it from memory and prefetches PANEL_PREFETCH floats
+ * ahead (the panels of a thread's share follow each other, so that runs into the next panel);
+ * the other tiles find it in L1/L2. */
+#define PANEL 32
+#define PANEL_ROWS 12      /* most rows per tile: 24 accumulators + 2 weight vectors of 32 zmm */
+#define PANEL_PREFETCH 512 /* floats ahead: 2 KiB, 16 input columns of the panel */
+#define PANEL_TILE(R)                                                                                         \
+    static __attribute__((noinline)) void panel_tile_##R(const float *x, int64_t K, const float *P, float *out, \
+                                                         int prefetch) {                                      \
+        __m512 a[R], b[R];                                                                                    \
+        for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();                                        \
+        for (int64_t k = 0; k < K; k++) {                                                                     \
+            const float *w = P + PANEL * k;                                                                   \
+            if (prefetch) {                                                                                   \
+                __builtin_prefetch(w + PANEL_PREFETCH, 0, 3);                                                 \
+                __builtin_prefetch(w + PANEL_PREFETCH + 16, 0, 3);                                            \
+            }                                                                                                 \
+            const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);                              \
+            for (int r = 0; r < R; r++) {                                                                     \
+                const __m512 xr = _mm512_set1_ps(x[r * K + k]);                                               \
+                a[r] = _mm512_fmadd_ps(xr, w0, a[r]);                                                         \
+                b[r] = _mm512_fmadd_ps(xr, w1, b[r]);                                                         \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++) {                                                                         \
+            _mm512_storeu_ps(out + PANEL * r, a[r]);                                                          \
+            _mm512_storeu_ps(out + PANEL * r + 16, b[r]);                                                     \
+        }                                                                                                     \
+    }
+PANEL_TILE(1)
+PANEL_TILE(2)
+PANEL_TILE(3)
+PANEL_TILE(4)
+PANEL_TILE(5)
+PANEL_TILE(6)
+PANEL_TILE(7)
+PANEL_TILE(8)
+PANEL_TILE(9)
+PANEL_TILE(10)
+PANEL_TILE(11)
+PANEL_TILE(12)
+
+typedef void (*panel_tile_fn)(const float *, int64_t, const float *, float *, int);
+static const panel_tile_fn panel_tiles[PANEL_ROWS + 1] = {
+    NULL, panel_tile_1, panel_tile_2, panel_tile_3, panel_tile_4, panel_tile_5, panel_tile_6,
+    panel_tile_7, panel_tile_8, panel_tile_9, panel_tile_10, panel_tile_11, panel_tile_12};
+
+/* y[m][n] = x[m] . W[n] (+ bias) with W in panels; the threads split the panels, each panel goes
+ * through the rows in tiles of at most PANEL_ROWS, balanced (32 rows: 10 + 11 + 11). */
+static void project_panels(const float *x, int64_t M, int64_t K, const float *W, const float *bias, float *y,
+                           int64_t N) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
+            float out[PANEL_ROWS * PANEL];
+            panel_tiles[m1 - m0](x + m0 * K, K, W + p * K * PANEL, out, t == 0);
+            for (int64_t m = m0; m < m1; m++)
+                for (int64_t j = 0; j < cols; j++)
+                    y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+}
+#endif
+
+/* Whether this build reads float32 weights in panels (project_panels): then the caller passes them so. */
+int decode_stack_panels(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* A projection inside the parallel region: rows split over the threads (implicit barrier at the end). */
 static void project(const float *x, int64_t M, int64_t K, const void *W, const float *S, int64_t G, int int8,
                     const float *bias, float *y, int64_t N) {
+#ifdef __AVX512F__
+    if (!int8) {
+        project_panels(x, M, K, (const float *)W, bias, y, N);
+        return;
+    }
+#endif
 #ifdef __AVX2__
     if (int8 && M == 1 && K % XGROUP == 0 && G % XGROUP == 0) {
         int16_t xq[K];
@@ -323,62 +416,20 @@ static void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
     }
 }
 
-/* Attention of the query heads of kv head kvh (per_kv of them) of one row over its cached
- * keys/values: scores (vectorised dot products), softmax (exp vectorised through libmvec), then the
- * weighted sum of values with the head's output held in registers across the keys. */
+/* The query heads of kv head kvh (per_kv of them) of one row attend over its n cached keys and
+ * values: paged_attention.h's loop, shared with the module path's decode kernel. scores: per_kv * (n + D)
+ * floats of scratch. */
 static void attend(const layer_t *L, const float *qkv_row, float *out_row, int64_t kvh, int64_t per_kv, int64_t n,
                    const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t D, float scale, float *scores) {
-    for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++) {
-        const float *q = qkv_row + h * D;
-        float best = -INFINITY;
-        for (int64_t t = 0; t < n; t++) {
-            const float *k = L->k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
-            float dot;
-#ifdef __AVX2__
-            if (D % 16 == 0) {
-                __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-                for (int64_t i = 0; i < D; i += 16) {
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
-                    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), b);
-                }
-                dot = hsum8(_mm256_add_ps(a, b));
-            } else
-#endif
-            {
-                dot = 0.0f;
-                for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
-            }
-            scores[t] = dot * scale;
-            best = scores[t] > best ? scores[t] : best;
-        }
-#pragma omp simd
-        for (int64_t t = 0; t < n; t++) scores[t] = expf(scores[t] - best);
-        float total = 0.0f;
-        for (int64_t t = 0; t < n; t++) total += scores[t];
-        const float inv = 1.0f / total;
-        float *out = out_row + h * D;
-#ifdef __AVX2__
-        if (D % 8 == 0 && D <= 128) {
-            __m256 acc[16];
-            for (int64_t j = 0; j < D / 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < n; t++) {
-                const float *v = L->v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
-                const __m256 pt = _mm256_set1_ps(scores[t]);
-                for (int64_t j = 0; j < D / 8; j++) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), acc[j]);
-            }
-            const __m256 iv = _mm256_set1_ps(inv);
-            for (int64_t j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], iv));
-            continue;
-        }
-#endif
-        memset(out, 0, (size_t)D * sizeof(float));
-        for (int64_t t = 0; t < n; t++) {
-            const float *v = L->v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * D;
-            const float p = scores[t];
-            for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
-        }
-        for (int64_t i = 0; i < D; i++) out[i] *= inv;
+    const float *q = qkv_row + kvh * per_kv * D, *k = L->k_cache + kvh * D, *v = L->v_cache + kvh * D;
+    float *out = out_row + kvh * per_kv * D;
+#define ATTEND(DIM) decode_item(q, D, out, D, k, v, table, n, block_size, kv_heads * D, DIM, per_kv, 1, scale, scores)
+    switch (D) { /* the common head sizes get unrolled copies */
+        case 64: ATTEND(64); break;
+        case 128: ATTEND(128); break;
+        default: ATTEND(D); break;
     }
+#undef ATTEND
 }
 
 static void add_rows(float *x, const float *d, int64_t count) {
@@ -407,7 +458,7 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
     }
     if (num_threads < 1) num_threads = 1;
     const size_t shared = (size_t)M * (QKV + Q + H + 2 * I);
-    const size_t private_floats = (size_t)M * (2 * H + I) + (size_t)longest;
+    const size_t private_floats = (size_t)M * (2 * H + I) + (size_t)(per_kv * (longest + D));
     float *scratch = (float *)malloc((shared + (size_t)num_threads * private_floats) * sizeof(float));
     if (!scratch) return 1;
     float *qkv = scratch, *attn = qkv + M * QKV, *delta = attn + M * Q, *gate_up = delta + M * H;

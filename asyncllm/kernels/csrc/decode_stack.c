@@ -288,18 +288,23 @@ static void gemv1_i8_madd(const int16_t *xq, const float *xs, int64_t K, const i
  * the other tiles find it in L1/L2. */
 #define PANEL 32
 #define PANEL_ROWS 12      /* most rows per tile: 24 accumulators + 2 weight vectors of 32 zmm */
-#define PANEL_PREFETCH 512 /* floats ahead: 2 KiB, 16 input columns of the panel */
+#define PANEL_PREFETCH 512 /* floats ahead in a panel streamed by a single tile: 2 KiB, 16 input columns */
 #define PANEL_TILE(R)                                                                                         \
     static __attribute__((noinline)) void panel_tile_##R(const float *x, int64_t K, const float *P, float *out, \
-                                                         int prefetch) {                                      \
+                                                         const float *next, int64_t phase, int64_t tiles) {   \
         __m512 a[R], b[R];                                                                                    \
         for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();                                        \
-        for (int64_t k = 0; k < K; k++) {                                                                     \
+        for (int64_t k = 0, turn = phase; k < K; k++) {                                                       \
             const float *w = P + PANEL * k;                                                                   \
-            if (prefetch) {                                                                                   \
-                __builtin_prefetch(w + PANEL_PREFETCH, 0, 3);                                                 \
-                __builtin_prefetch(w + PANEL_PREFETCH + 16, 0, 3);                                            \
+            /* one tile: stream this panel, PANEL_PREFETCH ahead (into the next panel at the end); several:  \
+               each tile fetches its share of the next panel's rows (every tiles-th), so the DRAM traffic  \
+               spreads over all of them instead of stalling the first */                                  \
+            const float *ahead = tiles == 1 ? w + PANEL_PREFETCH : turn == 0 ? next + PANEL * k : NULL;       \
+            if (ahead) {                                                                                      \
+                __builtin_prefetch(ahead, 0, 3);                                                              \
+                __builtin_prefetch(ahead + 16, 0, 3);                                                         \
             }                                                                                                 \
+            turn = turn + 1 == tiles ? 0 : turn + 1;                                                          \
             const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);                              \
             for (int r = 0; r < R; r++) {                                                                     \
                 const __m512 xr = _mm512_set1_ps(x[r * K + k]);                                               \
@@ -325,7 +330,7 @@ PANEL_TILE(10)
 PANEL_TILE(11)
 PANEL_TILE(12)
 
-typedef void (*panel_tile_fn)(const float *, int64_t, const float *, float *, int);
+typedef void (*panel_tile_fn)(const float *, int64_t, const float *, float *, const float *, int64_t, int64_t);
 static const panel_tile_fn panel_tiles[PANEL_ROWS + 1] = {
     NULL, panel_tile_1, panel_tile_2, panel_tile_3, panel_tile_4, panel_tile_5, panel_tile_6,
     panel_tile_7, panel_tile_8, panel_tile_9, panel_tile_10, panel_tile_11, panel_tile_12};
@@ -341,7 +346,7 @@ static void project_panels(const float *x, int64_t M, int64_t K, const float *W,
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
             float out[PANEL_ROWS * PANEL];
-            panel_tiles[m1 - m0](x + m0 * K, K, W + p * K * PANEL, out, t == 0);
+            panel_tiles[m1 - m0](x + m0 * K, K, W + p * K * PANEL, out, W + (p + 1) * K * PANEL, t, tiles);
             for (int64_t m = m0; m < m1; m++)
                 for (int64_t j = 0; j < cols; j++)
                     y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);

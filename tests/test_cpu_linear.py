@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.kernels.cpu_decode_stack import panels_supported
 from asyncllm.kernels.cpu_linear import ENV_SWITCH, PackedLinear, pack_linear_layers, packing_supported, row_bucket
+from asyncllm.kernels.cpu_panel_linear import PanelLinear
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN")
@@ -59,7 +61,8 @@ def test_engine_packs_its_projections_and_output_is_unchanged(kind, model_dirs, 
     layer = model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, PackedLinear)
     assert isinstance(layer.mlp.down_proj, PackedLinear)
-    assert isinstance(model.lm_head, PackedLinear)
+    # the LM head: float32 panels where the decode stack's kernel reads them (AVX-512), else oneDNN
+    assert isinstance(model.lm_head, PanelLinear if panels_supported() else PackedLinear)
     packed_tokens = [o.outputs[0].token_ids for o in packed_llm.generate(prompts, params)]
 
     monkeypatch.setenv(ENV_SWITCH, "0")
@@ -79,3 +82,17 @@ def test_row_buckets_pad_little_and_stay_few():
         # under 1/16 padding up to 512 rows (a 257-row call once ran at 384), under 1/8 beyond
         assert rows <= bucket < rows * (1 + (1 / 16 if rows <= 512 else 1 / 8))
         assert row_bucket(bucket) == bucket
+
+
+@pytest.mark.skipif(not panels_supported(), reason="the panel kernel needs an AVX-512 build")
+@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 40, 130])
+def test_panel_linear_matches_f_linear(rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(100, 72)  # 100 outputs: the last panel is padded
+    layer = PanelLinear.build(weight)
+    assert torch.equal(layer.weight, weight)
+    x = torch.randn(rows, 72)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert PanelLinear.build(weight.double()) is None
+    with pytest.raises(ValueError, match="float32"):
+        layer(x.double())

@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from ..kernels.cpu_attention import CpuAttentionBackend
 from ..kernels.cpu_decode_stack import MAX_CHAINED_ROWS, DecodeStack
 from ..kernels.cpu_linear import pack_linear_layers
+from ..kernels.cpu_panel_linear import PanelLinear
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import cpu_ops, triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
@@ -103,7 +104,7 @@ class ModelRunner:
         # every running sequence's block table, kept across steps (engine/block_tables.py)
         self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
         self.kv_caches = self._allocate_kv_caches()
-        # before packing: the decode stack reads the float weights row-major (kernels/cpu_decode_stack.py)
+        # before packing: the decode stack reads the dense float weights (kernels/cpu_decode_stack.py)
         self.decode_stack = (DecodeStack.build(self.model, self.kv_caches, self.weight_format.int8,
                                                self.weight_format.group_size)
                              if self.platform.decode_stack else None)
@@ -137,9 +138,14 @@ class ModelRunner:
         return self.platform.fused_greedy
 
     def _pack_cpu_linears(self) -> None:
-        """On CPU, hand every projection (and the LM head) to oneDNN with pre-packed weights."""
-        tied = {"lm_head": self.model.model.embed_tokens.weight} if self.shape.tie_word_embeddings else None
-        pack_linear_layers(self.model, extra=tied)
+        """On CPU, hand every projection to oneDNN with pre-packed weights, and the LM head to the
+        panel kernel where it runs (kernels/cpu_panel_linear.py), else to oneDNN too."""
+        tied = self.shape.tie_word_embeddings
+        head = self.model.model.embed_tokens.weight if tied else self.model.lm_head.weight
+        panel_head = PanelLinear.build(head)
+        if panel_head is not None:
+            self.model.lm_head = panel_head  # not an nn.Linear: packing leaves it alone
+        pack_linear_layers(self.model, extra={"lm_head": head} if tied and panel_head is None else None)
 
     @property
     def bytes_per_block(self) -> int:

@@ -355,6 +355,19 @@ static void project_panels(const float *x, int64_t M, int64_t K, const float *W,
 }
 #endif
 
+/* y[M][N] = x[M][K] @ W.T (+ bias) with W in panels, on its own (the LM head): 0, or 1 without AVX-512. */
+int panel_linear_f32(const float *x, int64_t M, int64_t K, const float *W, const float *bias, float *y, int64_t N,
+                     int num_threads) {
+#ifdef __AVX512F__
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    project_panels(x, M, K, W, bias, y, N);
+    return 0;
+#else
+    (void)x, (void)M, (void)K, (void)W, (void)bias, (void)y, (void)N, (void)num_threads;
+    return 1;
+#endif
+}
+
 /* Whether this build reads float32 weights in panels (project_panels): then the caller passes them so. */
 int decode_stack_panels(void) {
 #ifdef __AVX512F__

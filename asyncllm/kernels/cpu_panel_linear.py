@@ -1,0 +1,66 @@
+"""The LM head on CPU as float32 panels (``csrc/decode_stack.c: panel_linear_f32``).
+
+The decode stack's projections read float32 weights as panels of 32 output columns with
+register-blocked tiles of up to 12 rows (AVX-512 builds; ``kernels/cpu_decode_stack.py``). The LM head
+is the largest single matmul of a small model's step (SmolLM2: 49,152 x 576), and the same tiles beat
+oneDNN's packed inner product on it at every row count a decode or prefill step asks for (SmolLM2,
+2 threads, ms per call, panels vs oneDNN: 1 row 1.91 vs 2.12, 8 rows 2.18 vs 2.48, 32 rows 3.78 vs
+5.24, 64 rows 7.31 vs 8.40, 128 rows 14.4 vs 15.4). So on such builds the head is held as panels
+instead of a oneDNN-packed copy (the same memory), and every other projection stays with oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from .cpu_decode_stack import _library, panels_supported, to_panels
+
+_SIGNATURE = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+              ctypes.c_int64, ctypes.c_int)
+
+
+def _function():
+    lib = _library()
+    fn = lib.panel_linear_f32
+    fn.argtypes, fn.restype = list(_SIGNATURE), ctypes.c_int
+    return fn
+
+
+class PanelLinear(nn.Module):
+    """``y = x @ W.T`` (no bias) for float32 CPU inputs, ``W`` held as panels; build with :meth:`build`."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # a plain attribute, as PackedLinear's: the engine never moves or saves a loaded model
+        self.panels = to_panels(weight.detach().float())
+        self._fn = _function()
+
+    @classmethod
+    def build(cls, weight: torch.Tensor) -> "PanelLinear | None":
+        """A panel layer for this float32 CPU weight, or None where the kernel cannot run it here."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not panels_supported():
+            return None
+        return cls(weight)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight, rebuilt on demand (for inspection; the forward never uses it)."""
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"PanelLinear takes [rows, {self.in_features}] float32 CPU inputs, got "
+                             f"{tuple(x.shape)} {x.dtype} on {x.device}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if x.shape[0]:
+            self._fn(x.data_ptr(), x.shape[0], self.in_features, self.panels.data_ptr(), None, out.data_ptr(),
+                     self.out_features, torch.get_num_threads())
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, panels=32"

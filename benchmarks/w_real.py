@@ -14,8 +14,9 @@ batch size, ids >= 17 so no special token, every request different) and ``--gen-
 ignore_eos. Time = wall time from submitting the B requests to the last token; tokens/s = B * gen_len / time,
 total tokens/s = B * (prompt_len + gen_len) / time. One untimed warm-up per engine and batch size (B requests of
 at most 16 prompt and 4 new tokens), then ``--repeats`` timed runs; the median is reported. ``--rounds R`` runs the
-whole engine list R times, engines taking turns, and pools each engine's runs: the machine's speed drifts over
-minutes, and turns spread that drift over every engine.
+engine list R times, each round batch size by batch size (every engine takes its turn at one size before the
+next), and pools each engine's runs: the machine's speed drifts over minutes, and turns keep an engine's runs
+close in time to its peer's, so that drift falls on both.
 
 Engines:
   asyncllm-f32        ``LLM(hf_dir).generate(token id prompts, SamplingParams(temperature=0, ignore_eos=True))``,
@@ -462,8 +463,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gen-len", type=int, default=128, help="generated tokens per request (default: 128)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine and batch size; median reported")
     p.add_argument("--rounds", type=int, default=1,
-                   help="run the whole engine list this many times, engines taking turns, and pool each engine's "
-                        "runs (the machine's speed drifts over minutes: turns keep the comparisons fair)")
+                   help="run the engine list this many times, batch size by batch size with engines taking turns, "
+                        "and pool each engine's runs (the machine's speed drifts over minutes: turns keep the "
+                        "comparisons fair)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for torch and llama.cpp (default: the usable cores)")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"subset of {','.join(ENGINES)}")
@@ -577,8 +579,8 @@ def run_python_engine(entry: dict, factory: Callable[[], tuple[Runner, Any]], ar
                 mismatches += sum(1 for o in res.outputs if len(o) != args.gen_len)
                 log(f"{entry['engine']}: B={b} run {rep + 1}: {res.wall_s:.3f}s, "
                     f"{b * args.gen_len / res.wall_s:.1f} tok/s")
-                if b == min(args.batches) and rep == 0:
-                    first_outputs[entry["engine"]] = res.outputs[0]
+                if rep == 0:  # the smallest batch's first request (passes run the sizes in order)
+                    first_outputs.setdefault(entry["engine"], res.outputs[0])
             entry["batches"][str(b)] = _python_figures(b, args, walls, prefills, mismatches)
     except Exception as e:  # noqa: BLE001 - report and carry on with the other engines
         _fail(entry, e)
@@ -786,25 +788,34 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
                   "generation_config": "none", **args.llm_kwargs}
     rounds: list[dict[str, dict[str, Any]]] = []
     first_outputs: dict[str, list[int]] = {}
+    # With several rounds, a round goes batch size by batch size, every engine taking its turn at one size
+    # before the next: an engine's B=1 runs then sit seconds from its peer's, not minutes, in the same phase
+    # of the machine's drifting speed (whole-list turns once put every asyncllm B=1 run in a slow phase).
+    passes = [[b] for b in args.batches] if args.rounds > 1 else [args.batches]
     for turn in range(args.rounds):
-        if args.rounds > 1:
-            log(f"round {turn + 1} of {args.rounds}")
-        rounds.append(_run_engines(args, hf_dir, ggufs, binary, why, vocab, llm_kwargs, first_outputs))
+        for batches in passes:
+            if args.rounds > 1:
+                log(f"round {turn + 1} of {args.rounds}, B={batches[0]}")
+            pass_args = argparse.Namespace(**{**vars(args), "batches": batches})
+            rounds.append(_run_engines(pass_args, hf_dir, ggufs, binary, why, vocab, llm_kwargs, first_outputs))
     results = merge_rounds(rounds, args)
     return _finish(args, argv, results, first_outputs, load_start, started, hf_dir, cfg, ggufs, tree, binary, why)
 
 
 def merge_rounds(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """One entry per engine from every round's: runs pooled per batch size, medians recomputed."""
+    """One entry per engine from every pass's (a pass: one round's engine list at some batch sizes): runs
+    pooled per batch size, medians recomputed."""
     if len(rounds) == 1:
         return rounds[0]
     merged: dict[str, dict[str, Any]] = {}
     for name, first in rounds[0].items():
-        entry = merged[name] = dict(first, rounds=len(rounds))
+        entry = merged[name] = dict(first, rounds=args.rounds)
         entry["batches"] = {}
-        for b, fig in first["batches"].items():
+        for b in map(str, args.batches):
             figs = [r[name]["batches"][b] for r in rounds if b in r[name]["batches"]]
-            if "jsonl" in fig:  # llama.cpp
+            if not figs:
+                continue
+            if "jsonl" in figs[0]:  # llama.cpp
                 new = _llamacpp_figures(int(b), args, [j for f in figs for j in f["jsonl"]])
             else:
                 new = _python_figures(int(b), args, [w for f in figs for w in f["wall_s"]],

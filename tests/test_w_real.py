@@ -134,7 +134,8 @@ def test_rounds_take_turns_and_pool_each_engines_runs(llama_dir, tmp_path):
     r = json.loads(out.read_text())
     assert r["workload"]["rounds"] == 2
     invocations = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert len(invocations) == 2 * (1 + 2)  # per round: the warm-up and two timed runs
+    # per round and batch size (the round's passes): the warm-up and two timed runs, at that size only
+    assert [args[args.index("-npl") + 1] for args in invocations] == ["1"] * 3 + ["2"] * 3 + ["1"] * 3 + ["2"] * 3
     for name in ("asyncllm-f32", "llamacpp-f32"):
         e = r["results"][name]
         assert e["status"] == "ok" and e["rounds"] == 2

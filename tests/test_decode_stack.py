@@ -125,22 +125,13 @@ def test_stack_over_every_batch_size_and_odd_widths(model_dir_factory):
 def test_stack_built_without_avx512_reads_row_major_weights(model_dirs, tmp_path, monkeypatch):
     """A machine without AVX-512 gets the row-major loops and at most MAX_ROWS rows: built here with
     AVX-512 switched off, that build must give the module path's tokens too."""
-    import ctypes
-    import subprocess
+    from asyncllm.kernels.cpu_build import _FLAGS, BuildError, build_variant
 
-    from asyncllm.kernels.cpu_build import _FLAGS, _LIBS, CSRC, _compiler
-
-    compiler = _compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    out = tmp_path / "decode_stack_avx2.so"
-    done = subprocess.run([compiler, *_FLAGS, "-mno-avx512f", "-o", str(out), str(CSRC / "decode_stack.c"), *_LIBS],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot build the kernel without AVX-512 here: {done.stderr[-300:]}")
-    lib = ctypes.CDLL(str(out))
-    for name, argtypes, restype in cpu_decode_stack._SIGNATURES:
-        getattr(lib, name).argtypes, getattr(lib, name).restype = list(argtypes), restype
+    try:
+        lib = build_variant("decode_stack", [*_FLAGS, "-mno-avx512f"], tmp_path / "decode_stack_avx2.so",
+                            cpu_decode_stack._SIGNATURES)
+    except BuildError as e:
+        pytest.skip(str(e))
     assert lib.decode_stack_panels() == 0
     monkeypatch.setattr(cpu_decode_stack, "_library", lambda: lib)
     llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_seqs=8)

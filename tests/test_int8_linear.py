@@ -4,8 +4,6 @@ against the float32 reference ``F.linear(x, dequantize_weight(q, s), bias)``."""
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
 
 import pytest
 import torch
@@ -168,21 +166,14 @@ def test_other_builds_of_the_c_kernel_match_reference(tmp_path, build, rows_list
     """The portable loops (machines without AVX2/FMA) and the AVX2 micro-kernels (machines without
     AVX-512), each built here whatever this machine has. The AVX2 build differs from the native one
     only by AVX-512, whose micro-kernel sums in the same order: equal to the bit."""
-    from asyncllm.kernels.cpu_build import _FLAGS, CSRC, _compiler
+    from asyncllm.kernels.cpu_build import _FLAGS, BuildError, build_variant
 
-    compiler = _compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
     flags = (["-O2", "-fopenmp", "-mno-avx2", "-mno-fma", "-shared", "-fPIC"] if build == "scalar"
              else [*_FLAGS, "-mno-avx512f"])
-    out = tmp_path / "int8_build.so"
-    done = subprocess.run([compiler, *flags, "-o", str(out), str(CSRC / "int8_linear.c")],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot build the kernel with {flags} here: {done.stderr[-300:]}")
-    lib = ctypes.CDLL(str(out))
-    for name, argtypes, restype in il._SIGNATURES:
-        getattr(lib, name).argtypes, getattr(lib, name).restype = list(argtypes), restype
+    try:
+        lib = build_variant("int8_linear", flags, tmp_path / "int8_build.so", il._SIGNATURES)
+    except BuildError as e:
+        pytest.skip(str(e))
     for n, k, group in [(33, 100, None), (40, 72, 24), (70, 96, 32), (24, 90, 6), (40, 96, None)]:
         q, s, b = _layer(n, k, group, True)
         for rows in rows_list:

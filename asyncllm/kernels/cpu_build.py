@@ -122,7 +122,24 @@ def load_library(name: str, signatures: Signatures = ()) -> ctypes.CDLL | None:
     except (BuildError, OSError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable, using the torch path instead: %s", e)
         return None
+    return _with_signatures(lib, signatures)
+
+
+def _with_signatures(lib: ctypes.CDLL, signatures: Signatures) -> ctypes.CDLL:
     for function, argtypes, restype in signatures:
         getattr(lib, function).argtypes = list(argtypes)
         getattr(lib, function).restype = restype
     return lib
+
+
+def build_variant(name: str, flags: list[str], out: Path, signatures: Signatures = ()) -> ctypes.CDLL:
+    """``csrc/<name>.c`` compiled with exactly ``flags`` into ``out`` (not cached) and loaded: how the
+    tests build the ISA levels other machines get (no AVX-512, no AVX2). Raises BuildError."""
+    compiler = _compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found (set CC, or install gcc)")
+    done = subprocess.run([compiler, *flags, "-o", str(out), str(CSRC / f"{name}.c"), *_LIBS],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode:
+        raise BuildError(f"cannot build {name} with {flags}: {done.stderr[-300:]}")
+    return _with_signatures(ctypes.CDLL(str(out)), signatures)

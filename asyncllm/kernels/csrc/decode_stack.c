@@ -283,9 +283,11 @@ static void gemv1_i8_madd(const int16_t *xq, const float *xs, int64_t K, const i
  * FMAs per input column into 2R accumulators held in registers, without the horizontal sums of a
  * dot product. One layout serves every batch size: at one row it streams the weight once (as the
  * row-major loops do), at 32 rows it is the register-blocked GEMM that the per-row dot products
- * are not. The first tile over a panel streams it from memory and prefetches PANEL_PREFETCH floats
- * ahead (the panels of a thread's share follow each other, so that runs into the next panel);
- * the other tiles find it in L1/L2. */
+ * are not. Prefetching: a lone tile streams its panel PANEL_PREFETCH floats ahead (a thread's panels
+ * follow each other, so that runs into its next panel); with several tiles each fetches every
+ * tiles-th row of the next panel, so the DRAM traffic spreads over the tiles while they find the
+ * current panel in L1/L2. (Past the last panel these prefetches point beyond the weight: prefetch
+ * instructions do not fault.) */
 #define PANEL 32
 #define PANEL_ROWS 12      /* most rows per tile: 24 accumulators + 2 weight vectors of 32 zmm */
 #define PANEL_PREFETCH 512 /* floats ahead in a panel streamed by a single tile: 2 KiB, 16 input columns */
@@ -377,7 +379,8 @@ int decode_stack_panels(void) {
 #endif
 }
 
-/* A projection inside the parallel region: rows split over the threads (implicit barrier at the end). */
+/* A projection inside the parallel region: output columns split over the threads (implicit barrier at the
+ * end). */
 static void project(const float *x, int64_t M, int64_t K, const void *W, const float *S, int64_t G, int int8,
                     const float *bias, float *y, int64_t N) {
 #ifdef __AVX512F__

@@ -207,12 +207,14 @@ def test_abort_and_cancel(async_llm):
         assert sorted(c.index for c in finals) == [0, 1, 2]
         assert all(c.finish_reason == "abort" for c in finals)
 
+        started = asyncio.Event()
+
         async def consume():
             async for _ in async_llm.stream([8, 9], max_tokens=500, ignore_eos=True):
-                pass
+                started.set()
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(started.wait(), 10)  # then cancel at once: far from its 500th token
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -276,13 +278,16 @@ def test_aclose_finishes_open_streams_and_refuses_new_ones(llama_path):
         llm = AsyncLLM(llama_path, dtype="float32")
         reasons = []
 
+        started = asyncio.Event()
+
         async def consume():
             async for delta in llm.stream_outputs([5, 6], max_tokens=400, ignore_eos=True):
+                started.set()
                 if delta.outputs[0].finish_reason:
                     reasons.append(delta.outputs[0].finish_reason)
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(started.wait(), 10)  # then close at once: far from its 400th token
         await asyncio.wait_for(llm.aclose(), 5)
         await asyncio.wait_for(task, 5)
         assert reasons == ["abort"]

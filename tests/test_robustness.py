@@ -350,13 +350,18 @@ def test_waiting_queue_is_bounded(llama_path):
             first = asyncio.Event()
 
             async def long(rid):
-                async for _ in llm.stream([5, 6], max_tokens=300, request_id=rid, **GREEDY):
+                async for _ in llm.stream([5, 6], max_tokens=500, request_id=rid, **GREEDY):
                     first.set()
 
             running = asyncio.create_task(long("running"))
             await asyncio.wait_for(first.wait(), 10)
             waiting = [asyncio.create_task(long(f"w{i}")) for i in range(2)]
-            await asyncio.sleep(0.05)
+
+            async def queued():  # both wait behind the running one (its seat is the only one)
+                while llm.stats()["num_waiting"] < 2:
+                    await asyncio.sleep(0.001)
+
+            await asyncio.wait_for(queued(), 10)
             with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
                 await llm.generate([5, 6], max_tokens=2)
             for task in (running, *waiting):
@@ -369,13 +374,16 @@ def test_waiting_queue_is_bounded(llama_path):
 
 
 def test_timeout_aborts_and_frees_blocks(model_dir_factory):
-    path = str(model_dir_factory("llama", max_position_embeddings=4096))
+    # a request far longer than the timeout on any machine: the tiny model decodes 4,000 tokens in under a
+    # second on the AVX-512 VM, so 60,000 at a 0.5 s timeout (a few thousand tokens per second at most:
+    # every step is a round trip through the engine thread)
+    path = str(model_dir_factory("llama", max_position_embeddings=1 << 20))
 
     async def main():
-        async with AsyncLLM(path, dtype="float32") as llm:
+        async with AsyncLLM(path, dtype="float32", max_model_len=65_536, kv_cache_memory=1 << 26) as llm:
             received = 0
             with pytest.raises(RequestTimeoutError, match="timeout"):
-                async for _ in llm.stream([5, 6], max_tokens=4000, timeout=1.0, **GREEDY):
+                async for _ in llm.stream([5, 6], max_tokens=60_000, timeout=0.5, **GREEDY):
                     received += 1
             assert received > 0
             await _wait_idle(llm)

@@ -174,12 +174,17 @@ def test_full_waiting_queue_is_429_with_retry_after(model_dirs):
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                      timeout=30) as client:
-            long = {"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True}
+            long = {"prompt": [5, 6], "max_tokens": 500, "ignore_eos": True}
             first = asyncio.create_task(client.post("/v1/completions", json=long))
             while llm.stats()["num_running"] == 0:
                 await asyncio.sleep(0.005)
             second = asyncio.create_task(client.post("/v1/completions", json=long))
-            await asyncio.sleep(0.05)
+
+            async def queued():  # the second waits behind the first (one seat): the queue is full
+                while llm.stats()["num_waiting"] < 1:
+                    await asyncio.sleep(0.001)
+
+            await asyncio.wait_for(queued(), 10)
             third = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert third.status_code == 429, third.text
             assert int(third.headers["retry-after"]) >= 1

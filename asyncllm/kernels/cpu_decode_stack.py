@@ -54,7 +54,8 @@ class _Layer(ctypes.Structure):
 _SIGNATURES = (("decode_stack_f32", (ctypes.POINTER(_Layer), _i64, _int, _i64, _ptr, _i64, _ptr, _f32, _i64, _i64,
                                      _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _f32,
                                      _int, _int), _int),
-               ("decode_stack_panels", (), _int))
+               ("decode_stack_panels", (), _int),
+               ("panel_linear_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int))
 
 
 def _library() -> ctypes.CDLL | None:

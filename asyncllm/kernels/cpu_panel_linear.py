@@ -11,22 +11,10 @@ instead of a oneDNN-packed copy (the same memory), and every other projection st
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import nn
 
 from .cpu_decode_stack import _library, panels_supported, to_panels
-
-_SIGNATURE = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-              ctypes.c_int64, ctypes.c_int)
-
-
-def _function():
-    lib = _library()
-    fn = lib.panel_linear_f32
-    fn.argtypes, fn.restype = list(_SIGNATURE), ctypes.c_int
-    return fn
 
 
 class PanelLinear(nn.Module):
@@ -36,8 +24,8 @@ class PanelLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # a plain attribute, as PackedLinear's: the engine never moves or saves a loaded model
-        self.panels = to_panels(weight.detach().float())
-        self._fn = _function()
+        self.panels = to_panels(weight.detach())
+        self._fn = _library().panel_linear_f32
 
     @classmethod
     def build(cls, weight: torch.Tensor) -> "PanelLinear | None":

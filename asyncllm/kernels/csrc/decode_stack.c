@@ -25,11 +25,9 @@
 #include <immintrin.h>
 #endif
 
+/* also declares libmvec's vector expf: the SiLU and softmax loops vectorise with it, where the scalar
+ * expf of every intermediate column of every layer cost ~0.4 ms per token */
 #include "paged_attention.h"
-
-/* glibc's libmvec vector expf (as in elementwise.c): the SiLU and softmax loops vectorise with it,
- * where the scalar expf of every intermediate column of every layer cost ~0.4 ms per token */
-__attribute__((simd("notinbranch"))) float expf(float);
 
 typedef struct {
     const float *input_norm, *post_norm;      /* [H] */

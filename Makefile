@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL ?=
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench gpu-rehearsal clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): requirements-dev.txt pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# the GPU machine's image replayed on this CPU (python 3.12, torch 2.11, triton 3.6, transformers 5.17)
+gpu-rehearsal: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu_image -rs tests/test_gpu_image.py
 
 demo: setup
 	$(PY) -m asyncllm.cli demo $(if $(MODEL),--model $(MODEL),)

@@ -20,7 +20,9 @@ short still leaves its figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import inspect
 import json
 import random
 import statistics
@@ -104,17 +106,30 @@ def asyncllm_runner(model_dir: Path, **engine_kwargs) -> tuple[Any, Callable[[Wo
     return llm, run
 
 
+def cb_config(auto_flash: bool):
+    """transformers' ContinuousBatchingConfig with the fields this version has (5.17 has no
+    ``auto_switch_to_flash``; 5.24 has it); ``(config, fields dropped)``."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    wanted = {"allow_block_sharing": False, "seed": 0, "auto_switch_to_flash": auto_flash}
+    known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
+        if dataclasses.is_dataclass(ContinuousBatchingConfig) else set(inspect.signature(ContinuousBatchingConfig).parameters)
+    return (ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in known}),
+            sorted(set(wanted) - known))
+
+
 def hf_cb_run(model, w: Workload, deadline_s: float, auto_flash: bool) -> dict[str, Any]:
     """transformers continuous batching (defaults sized from GPU memory), streamed so that the
     tokens produced by the deadline are known even when the run cannot finish."""
     from transformers import GenerationConfig
-    from transformers.generation import ContinuousBatchingConfig
 
     gen = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, eos_token_id=-1,
                            pad_token_id=2, max_new_tokens=max(r.max_tokens for r in w.requests))
-    cb = ContinuousBatchingConfig(allow_block_sharing=False, seed=0, auto_switch_to_flash=auto_flash)
+    cb, dropped = cb_config(auto_flash)
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    # no_grad, not inference_mode: transformers' generation thread (5.17) updates tensors made
+    # here in place, which inference tensors forbid outside inference mode
+    with torch.no_grad():
         mgr = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         if hasattr(mgr, "warmup"):
             mgr.warmup()  # captures its CUDA graphs before the clock starts
@@ -126,6 +141,7 @@ def hf_cb_run(model, w: Workload, deadline_s: float, auto_flash: bool) -> dict[s
             mgr.stop(block=True, timeout=30, hard_stop=True)
             mgr.destroy()
     result["setup_s"] = setup_s
+    result["config_fields_missing"] = dropped
     result["attn_implementation"] = str(getattr(model.config, "_attn_implementation", "?"))
     return result
 
@@ -209,8 +225,12 @@ def bench_asyncllm(model_dir: Path, w: Workload, args, report: Report) -> None:
                              "cuda_graph_buckets": runner.cuda_graphs.buckets if runner.cuda_graphs else None,
                              "kv_blocks": runner.num_blocks, "wall_s": []}
     report.data["asyncllm"] = entry
+    report.save()  # a run cut short after set-up still says how far it got
     log(f"asyncllm ready in {entry['setup_s']:.1f}s ({entry['backend']}, graphs {entry['cuda_graph_buckets']})")
+    t0 = time.perf_counter()
     run(Workload("warm-up", [Request(r.prompt_token_ids, 32) for r in w.requests[:16]]))
+    entry["warmup_s"] = time.perf_counter() - t0
+    report.save()
     for rep in range(args.repeats):
         if rep and report.remaining() < entry["wall_s"][-1] + args.peer_reserve_s:
             report.data["notes"].append(f"asyncllm: {rep} run(s) only, to keep the time budget")
@@ -249,6 +269,8 @@ def bench_peer(hf_model, w: Workload, args, report: Report) -> None:
     try:
         result = hf_cb_run(hf_model, w, deadline, auto_flash=True)
     except Exception as e:  # noqa: BLE001 - e.g. a flash kernel that would need the hub: retry on sdpa
+        if "auto_switch_to_flash" in cb_config(True)[1]:
+            raise  # this version has no flash switch: a retry would run the same configuration
         report.data["notes"].append(f"peer with auto_switch_to_flash failed ({type(e).__name__}: {e}); sdpa used")
         deadline = max(30.0, min(args.peer_timeout, report.remaining() - 30))
         result = hf_cb_run(hf_model, w, deadline, auto_flash=False)
@@ -256,6 +278,7 @@ def bench_peer(hf_model, w: Workload, args, report: Report) -> None:
         report.data["notes"].append(
             f"peer did not finish within {deadline:.0f}s: its throughput is tokens produced by then / time")
     report.data["hf_continuous_batching"] = result
+    report.save()
     log(f"peer: {result['tokens']:,} tokens in {result['wall_s']:.1f}s, {result['tokens_per_s']:,.0f} tok/s"
         f"{' (truncated)' if result['truncated'] else ''}")
 
@@ -308,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="w_gpu-") as tmp:
         hf_model = build_model(Path(tmp), SMOKE_SHAPE if args.smoke else QWEN3_06B)
         log("model built and saved")
+        report.save()
         for name, phase in (("asyncllm", lambda: bench_asyncllm(Path(tmp), w, args, report)),
                             ("peer", lambda: None if args.skip_peer else bench_peer(hf_model, w, args, report))):
             try:

@@ -41,6 +41,27 @@ if not torch.cuda.is_available():
 
 from checkpoints import KINDS, build_checkpoint, build_tokenizer  # noqa: E402
 
+
+def _default_test_max_num_seqs() -> None:
+    """On CUDA every engine captures one CUDA graph per batch bucket up to max_num_seqs (9 for the
+    default 256); the test engines run a few sequences, so ASYNCLLM_TEST_MAX_NUM_SEQS (set by
+    scripts/gpu_check.sh) becomes their default: 16 captures 5. Engines that pass max_num_seqs keep it."""
+    value = os.environ.get("ASYNCLLM_TEST_MAX_NUM_SEQS")
+    if not value:
+        return
+    from asyncllm.config import EngineConfig
+
+    init = EngineConfig.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("max_num_seqs", int(value))
+        init(self, *args, **kwargs)
+
+    EngineConfig.__init__ = __init__
+
+
+_default_test_max_num_seqs()
+
 # The test models are tiny: intra-op threading only adds overhead (and is
 # badly hurt by a busy machine). Override with ASYNCLLM_TEST_TORCH_THREADS.
 torch.set_num_threads(int(os.environ.get("ASYNCLLM_TEST_TORCH_THREADS", "1")))

@@ -12,6 +12,7 @@ import torch
 
 from ..kernels.ops import use_cpu, use_triton
 from ..kernels import cpu_ops as cpu_kernels
+from ..kernels.transfer import stage, to_device
 from ..model.shape import DecoderShape
 from .peft_loader import LoRAWeights, module_shapes
 
@@ -108,17 +109,16 @@ class LoRASlots:
 
     def set_groups(self, rows_by_slot: dict[int, list[int]]) -> None:
         """This step's token rows per slot (base-model tokens are in no group: nothing to add)."""
-        self.groups = [(slot, torch.tensor(rows, device=self.device)) for slot, rows in sorted(rows_by_slot.items())]
+        self.groups = [(slot, to_device(rows, self.device)) for slot, rows in sorted(rows_by_slot.items())]
         ordered = sorted(rows_by_slot.items())
         starts = [0]
         for _, rows in ordered:
             starts.append(starts[-1] + len(rows))
         # the same grouping, flattened segment by segment, for the Triton kernels
         self.token_slots = torch.tensor([slot for slot, rows in ordered for _ in rows], dtype=torch.int64)
-        self.segments = (torch.tensor([r for _, rows in ordered for r in rows], device=self.device),
-                         torch.tensor(starts, device=self.device),
-                         torch.tensor([slot for slot, _ in ordered], device=self.device),
-                         max((len(rows) for _, rows in ordered), default=0))
+        segment_rows, segment_starts, segment_slots = stage(
+            [[r for _, rows in ordered for r in rows], starts, [slot for slot, _ in ordered]], self.device)
+        self.segments = (segment_rows, segment_starts, segment_slots, max((len(rows) for _, rows in ordered), default=0))
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add every group's LoRA delta for ``fused`` of ``layer`` into ``y`` (in place)."""

@@ -17,6 +17,7 @@ import torch
 
 from ..adapters.registry import LoRARegistry
 from ..config import EngineConfig
+from ..kernels.transfer import to_device
 from ..model.loader import load_hf_config
 from ..model.source import resolve_model_source
 from ..model.runner import ModelRunner
@@ -288,7 +289,7 @@ class EngineCore:
     def _step_beams(self, logits: torch.Tensor, to_rank: list[tuple[Sequence, int]]) -> list[SequenceOutput]:
         """Hand each beam its log-probabilities; groups whose beams all have theirs take a beam step
         (a preempted beam's group waits for its recomputation)."""
-        index = torch.tensor([row for _, row in to_rank], device=logits.device)
+        index = to_device([row for _, row in to_rank], logits.device)
         logprobs = torch.log_softmax(logits[index].float(), dim=-1)
         outputs: list[SequenceOutput] = []
         for (seq, _), row in zip(to_rank, logprobs):
@@ -374,8 +375,9 @@ class EngineCore:
                 grammar = seq.draft_grammars[j] if seq.grammar is not None else None
                 rows.append(self._sampling_row(seq, drafts[:j + 1], grammar))
             index.extend(range(row, row + len(drafts) + 1))
-        result = sample(logits[torch.tensor(index, device=logits.device)], rows, self.generator,
-                        fused_greedy=self.runner.platform.fused_greedy)
+        if index != list(range(logits.shape[0])):  # usually every row, in order: no gather
+            logits = logits[to_device(index, logits.device)]
+        result = sample(logits, rows, self.generator, fused_greedy=self.runner.platform.fused_greedy)
         outputs = []
         at = 0
         for (seq, _, _), drafts in zip(to_sample, drafts_of):

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import InvalidRequestError
+from .text import check_utf8
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -60,14 +61,6 @@ class ChatMessage(_Strict):
             content = "\n".join(part.text for part in content)
         message["content"] = content or ""
         return message
-
-
-def check_utf8(text: str, field: str) -> None:
-    """A string the tokenizer can take: no lone surrogates (``"\\ud800"``)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{field} is not valid Unicode text (character {exc.start}: a lone surrogate)") from None
 
 
 def validate_messages(messages: list[Any]) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ from typing import Any, Union
 
 from ..errors import InvalidRequestError, short_repr
 from ..tools.prompting import prepare_messages
-from .messages import check_utf8, validate_messages
+from .text import check_utf8
 from .tokenizing import TooManyTokens, encode_text, max_prompt_chars
 
 # keys of apply_chat_template that ChatPrompt sets itself: chat_template_kwargs may not override them
@@ -110,6 +110,8 @@ def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = 
 
     Tools (and earlier tool calls) reach the prompt even when the template ignores them: they are
     then written into the messages in ``tool_parser``'s format (see asyncllm/tools/prompting.py)."""
+    from .messages import validate_messages  # pydantic: imported on the first chat prompt, not with asyncllm
+
     messages = validate_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages: this model's tokenizer has no chat template", field="messages")

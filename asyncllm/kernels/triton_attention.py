@@ -18,6 +18,7 @@ import torch
 from .cache_write import write_kv_cache
 from .metadata import AttentionMetadata
 from .paged_attention import paged_attention, split_buffers
+from .transfer import stage, to_device
 from .triton_utils import next_power_of_2, num_sms
 
 
@@ -76,7 +77,7 @@ class TritonAttentionBackend:
             if len(decodes) == meta.num_seqs:  # decode-only step: the blocks are simply 0..n-1
                 seqs = self._range(len(decodes), device)
             else:
-                seqs = torch.tensor(decodes, dtype=torch.int32, device=device)
+                seqs = to_device(decodes, device, torch.int32)
             max_len = max(meta.seq_lens[i] for i in decodes)
             plan.launches.append(self._decode_launch(seqs, max_len, device))
         if meta.prefill_indices:
@@ -99,8 +100,8 @@ class TritonAttentionBackend:
             for start in range(0, meta.query_len(i), self.prefill_block_q):
                 seqs.append(i)
                 starts.append(start)
-        table = torch.tensor([seqs, starts], dtype=torch.int32).to(device)
-        return _Launch(table[0], table[1], self.prefill_block_m, 1)
+        seqs_t, starts_t = stage([seqs, starts], device, torch.int32)  # one non-blocking copy
+        return _Launch(seqs_t, starts_t, self.prefill_block_m, 1)
 
     def _num_splits(self, num_qblocks: int, max_len: int, device: torch.device) -> int:
         """Split the keys when the launch would give each SM less than ``waves`` programs to run

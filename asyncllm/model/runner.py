@@ -24,6 +24,7 @@ from ..kernels.cpu_panel_linear import PanelLinear
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import cpu_ops, triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
+from ..kernels.transfer import stage, to_device
 from .cuda_graphs import DecodeGraphs
 from ..platform import Platform, decide_platform
 from .loader import load_weights
@@ -194,15 +195,15 @@ class ModelRunner:
     def _execute(self, step: StepInput) -> torch.Tensor:
         self._copy_blocks(step.block_copies)
         self._prepare_lora(step)
-        input_ids, positions, meta = self._prepare(step)
+        input_ids, positions, meta, gathers = self._prepare(step)
         hidden = self._forward(input_ids, positions, meta)
         self.pooled = None
         if step.pool_rows:
-            self.pooled = hidden[torch.tensor(step.pool_rows, device=self.device, dtype=torch.long)].float()
+            self.pooled = hidden[gathers.pool_index].float()
         if not step.logit_rows:  # a step of embedding prompts only: no LM head
             return torch.empty(0, self.shape.vocab_size, device=self.device)
-        if len(step.logit_rows) != hidden.shape[0] or step.logit_rows != list(range(hidden.shape[0])):
-            hidden = hidden[torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)]
+        if gathers.logit_index is not None:
+            hidden = hidden[gathers.logit_index]
         return self.model.compute_logits(hidden).float()
 
     def _prepare_lora(self, step: StepInput) -> None:
@@ -256,22 +257,22 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src, dst = stage([[c[0] for c in copies], [c[1] for c in copies]], self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def _block_tables(self, step: StepInput, seq_lens: list[int]) -> torch.Tensor:
-        """The step's block tables on the device, ``[sequences, max blocks]``: gathered from the
-        persistent buffer after applying the step's changes (the engine's records), or padded from
-        full tables (a hand-made record)."""
-        max_blocks = max(-(-n // self.block_size) for n in seq_lens)
+    def _host_block_tables(self, step: StepInput, max_blocks: int) -> np.ndarray:
+        """The step's block tables on the host, ``[sequences, max_blocks]``: rows of the persistent
+        buffer after applying the step's changes (the engine's records), or padded from full tables
+        (a hand-made record)."""
         if step.table_rows is None:
-            tables = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in step.block_tables]
-            return torch.tensor(tables, dtype=torch.long, device=self.device)
+            tables = np.zeros((step.num_seqs, max_blocks), dtype=np.int64)
+            for i, table in enumerate(step.block_tables):
+                tables[i, :min(len(table), max_blocks)] = table[:max_blocks]
+            return tables
         self._apply_table_updates(step)
-        return torch.from_numpy(self._table_buffer[step.table_rows, :max_blocks]).to(self.device)  # the step's one copy
+        return self._table_buffer[step.table_rows, :max_blocks]
 
     def _apply_table_updates(self, step: StepInput) -> None:
         buffer = self._table_buffer  # numpy: these small writes cost a microsecond, a torch op ten
@@ -280,31 +281,46 @@ class ModelRunner:
                 buffer[row] = 0
             buffer[row, start:start + len(blocks)] = blocks
 
-    def _prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        if step.table_rows is not None and not self.platform.is_cuda:
+    def _prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, "_Gathers"]:
+        if step.table_rows is not None and self._host_decode_path:
             if all(n == 1 for n in step.num_new_tokens):
-                return self._prepare_rows(step, chained=False)
+                return (*self._prepare_rows(step, chained=False), _Gathers.of(step, self.device))
             if self._fits_chained(step):
-                return self._prepare_rows(step, chained=True)
-        query_start = [0]
-        for n in step.num_new_tokens:
-            query_start.append(query_start[-1] + n)
-        seq_lens = [start + n for start, n in zip(step.start_positions, step.num_new_tokens)]
-        dev = self.device
-        block_tables = self._block_tables(step, seq_lens)
-        query_lens = torch.tensor(step.num_new_tokens, device=dev)
-        seq_index = torch.repeat_interleave(torch.arange(step.num_seqs, device=dev), query_lens)
-        offsets = torch.tensor(step.start_positions, device=dev) - torch.tensor(query_start[:-1], device=dev)
-        positions = torch.arange(len(step.token_ids), device=dev) + offsets[seq_index]
-        slots = block_tables[seq_index, positions // self.block_size] * self.block_size + positions % self.block_size
+                return (*self._prepare_rows(step, chained=True), _Gathers.of(step, self.device))
+        return self._prepare_staged(step)
+
+    @property
+    def _host_decode_path(self) -> bool:
+        """CPU kernels read decode metadata straight from numpy (``_prepare_rows``); the Triton
+        kernels (CUDA, or the interpreter) take the staged path below."""
+        return not self.platform.is_cuda and not self.uses_triton
+
+    def _prepare_staged(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, "_Gathers"]:
+        """The step's metadata computed in numpy on the host, then moved to the device as one
+        page-locked buffer with one non-blocking copy (kernels/transfer.py): building it never waits
+        for the device, so the host prepares step k+1 while the GPU still runs step k."""
+        new = np.asarray(step.num_new_tokens, dtype=np.int64)
+        starts = np.asarray(step.start_positions, dtype=np.int64)
+        query_start = np.zeros(step.num_seqs + 1, dtype=np.int64)
+        np.cumsum(new, out=query_start[1:])
+        seq_lens = starts + new
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        tables = self._host_block_tables(step, max_blocks)
+        seq_index = np.repeat(np.arange(step.num_seqs), new)
+        positions = np.arange(len(step.token_ids), dtype=np.int64) + (starts - query_start[:-1])[seq_index]
+        slots = tables[seq_index, positions // self.block_size] * self.block_size + positions % self.block_size
+        logit_index = None if _is_range(step.logit_rows, len(step.token_ids)) else step.logit_rows
+        arrays = [step.token_ids, positions, slots, seq_lens, query_start, tables, logit_index or [], step.pool_rows]
+        ids, pos, slot_mapping, lens, starts_t, tables_t, logit_t, pool_t = stage(arrays, self.device)
+        seq_lens_list = seq_lens.tolist()
         meta = AttentionMetadata(
-            slot_mapping=slots, query_start=query_start, seq_lens=seq_lens, block_tables=block_tables,
-            seq_lens_tensor=torch.tensor(seq_lens, device=dev), query_start_tensor=torch.tensor(query_start, device=dev),
-            block_size=self.block_size,
+            slot_mapping=slot_mapping, query_start=query_start.tolist(), seq_lens=seq_lens_list,
+            block_tables=tables_t.view(step.num_seqs, max_blocks), seq_lens_tensor=lens,
+            query_start_tensor=starts_t, block_size=self.block_size,
             decode_indices=[i for i, n in enumerate(step.num_new_tokens) if n == 1],
             prefill_indices=[i for i, n in enumerate(step.num_new_tokens) if n > 1])
         self.backend.prepare(meta)
-        return torch.tensor(step.token_ids, device=dev), positions, meta
+        return ids, pos, meta, _Gathers(logit_t if logit_index is not None else None, pool_t)
 
     def _fits_chained(self, step: StepInput) -> bool:
         """A small multi-token step (speculative verification) the decode stack can run row by row."""
@@ -327,6 +343,26 @@ class ModelRunner:
                             or not self.decode_stack.fits(meta, len(starts))):
             self.backend.prepare(meta)  # the decode stack needs none of the backend's plans
         return torch.tensor(step.token_ids), torch.from_numpy(starts), meta
+
+
+class _Gathers:
+    """Which rows of the step's hidden states go on: the LM head's (None: every row, in order) and
+    the pooled ones (embeddings), as device index tensors."""
+
+    __slots__ = ("logit_index", "pool_index")
+
+    def __init__(self, logit_index: torch.Tensor | None, pool_index: torch.Tensor | None) -> None:
+        self.logit_index, self.pool_index = logit_index, pool_index
+
+    @classmethod
+    def of(cls, step: StepInput, device: torch.device) -> "_Gathers":
+        logit = None if _is_range(step.logit_rows, len(step.token_ids)) else to_device(step.logit_rows, device)
+        return cls(logit, to_device(step.pool_rows, device) if step.pool_rows else None)
+
+
+def _is_range(rows: list[int], n: int) -> bool:
+    """``rows`` is ``0, 1, ..., n - 1``: every row, in order (no gather needed)."""
+    return len(rows) == n and (n == 0 or (rows[0] == 0 and rows[-1] == n - 1 and rows == list(range(n))))
 
 
 def _expand_rows(step: StepInput) -> tuple[np.ndarray, list[int]]:

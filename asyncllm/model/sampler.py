@@ -3,14 +3,21 @@
 Every row carries its own SamplingParams. The whole batch is processed with tensor ops; the only
 per-row Python work is gathering parameters and drawing noise for rows with their own seed
 (so a seeded request gets the same tokens whatever else shares its batch).
+
+On an accelerator the host never waits in here but once: every decision (greedy or sampled rows,
+min-p present, top-k/top-p in use) is taken from the rows' parameters on the host, parameters
+travel by non-blocking copies (kernels/transfer.py), and the chosen ids, their logprobs and any
+top-k come back together in one copy at the end.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..kernels.transfer import to_device, to_host
 from ..sampling_params import SamplingParams
 from ..kernels.cpu_ops import greedy_kernel_available, greedy_pick
 from ..structured import GrammarState, apply_grammar_masks, grammar_bitmask
@@ -59,17 +66,25 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     _apply_penalties(logits, rows)
     _apply_grammars(logits, rows)
     chosen = logits.argmax(dim=-1)
-    if not all(r.params.greedy for r in rows):
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-        sampled = _sample_random(logits, rows, greedy, generator)
-        chosen = torch.where(greedy, chosen, sampled)
+    greedy = [r.params.greedy for r in rows]
+    if not all(greedy):
+        sampled = _sample_random(logits, rows, generator)
+        chosen = torch.where(to_device(greedy, logits.device, torch.bool), chosen, sampled) if any(greedy) else sampled
     if raw_logprobs is not None:
         chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
     else:
         chosen_logprobs = raw.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
-    token_ids = chosen.tolist()
-    top = _top_logprobs(raw_logprobs, rows, token_ids) if wants_top else [None] * len(rows)
-    return SamplerOutput(token_ids, chosen_logprobs.tolist(), top)
+    # one copy back for the whole step: ids, their logprobs and the top-k, as float64 columns
+    # (exact for token ids and for float32 logprobs)
+    k_max = max((r.params.logprobs or 0 for r in rows), default=0) if wants_top else 0
+    columns = [chosen.double()[:, None], chosen_logprobs.double()[:, None]]
+    if k_max:
+        top_values, top_ids = raw_logprobs.topk(k_max, dim=-1)
+        columns += [top_ids.double(), top_values.double()]
+    host = to_host(torch.cat(columns, dim=1))
+    token_ids = host[:, 0].astype(np.int64).tolist()
+    top = _top_logprobs(host, rows, k_max) if wants_top else [None] * len(rows)
+    return SamplerOutput(token_ids, host[:, 1].tolist(), top)
 
 
 def _fused_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float]] | None:
@@ -107,8 +122,8 @@ def _modifies_logits(row: SamplingRow) -> bool:
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         if row.params.logit_bias:
-            ids = torch.tensor(list(row.params.logit_bias), device=logits.device)
-            bias = torch.tensor(list(row.params.logit_bias.values()), device=logits.device)
+            ids = to_device(list(row.params.logit_bias), logits.device)
+            bias = to_device(list(row.params.logit_bias.values()), logits.device, torch.float32)
             logits[i].index_add_(0, ids, bias)
 
 
@@ -122,13 +137,13 @@ def _apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         banned = [ids[-1] for ids in row.bad_words
                   if len(ids) == 1 or (len(output) >= len(ids) - 1 and output[len(output) - len(ids) + 1:] == ids[:-1])]
         if banned:
-            logits[i, banned] = float("-inf")
+            logits[i].index_fill_(0, to_device(banned, logits.device), float("-inf"))
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         if row.min_tokens_blocked and len(row.output_token_ids) < row.params.min_tokens:
-            logits[i, row.min_tokens_blocked] = float("-inf")
+            logits[i].index_fill_(0, to_device(row.min_tokens_blocked, logits.device), float("-inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -142,13 +157,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         p = rows[i].params
         counts = torch.zeros(vocab, device=device)
         if rows[i].output_token_ids:
-            out = torch.tensor(rows[i].output_token_ids, device=device)
+            out = to_device(rows[i].output_token_ids, device)
             counts.index_add_(0, out, torch.ones(len(out), device=device))
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = counts > 0
             if rows[i].prompt_token_ids:
-                seen[torch.tensor(rows[i].prompt_token_ids, device=device)] = True
+                seen.index_fill_(0, to_device(rows[i].prompt_token_ids, device), True)
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
@@ -166,16 +181,15 @@ def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], greedy: torch.Tensor,
-                   generator: torch.Generator | None) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
     device = logits.device
     # greedy rows (temperature below the epsilon) are divided by 1: their pick is the argmax anyway
-    temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=device)
+    temperature = to_device([1.0 if r.params.greedy else r.params.temperature for r in rows], device, torch.float32)
     logits = logits / temperature[:, None]
     logits = _apply_top_k_top_p(logits, rows)
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-    if bool((min_p > 0).any()):
+    if any(r.params.min_p > 0 for r in rows):  # decided on the host: no device round trip
+        min_p = to_device([r.params.min_p for r in rows], device, torch.float32)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p without a CDF search.
@@ -194,31 +208,29 @@ def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=device)[None, :]
-    drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+    drop = ranks >= to_device(top_k, device)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-    drop = mass_before >= torch.tensor(top_p, device=device)[:, None]
+    drop = mass_before >= to_device(top_p, device, torch.float32)[:, None]
     drop[:, 0] = False  # always keep the best token
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow], chosen: list[int]) -> list[dict[int, float] | None]:
-    wanted = [r.params.logprobs for r in rows]
-    if all(k is None for k in wanted):
-        return [None] * len(rows)
-    k_max = max(k or 0 for k in wanted)
-    values, ids = raw_logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+def _top_logprobs(host: np.ndarray, rows: list[SamplingRow], k_max: int) -> list[dict[int, float] | None]:
+    """Per row that asked: its chosen token's logprob, then its top-k (``host``: the sampler's
+    columns on the host, ``[chosen, logprob, k_max ids, k_max values]``)."""
     result: list[dict[int, float] | None] = []
-    for i, k in enumerate(wanted):
+    for i, row in enumerate(rows):
+        k = row.params.logprobs
         if k is None:
             result.append(None)
             continue
-        entry = {chosen[i]: float(raw_logprobs[i, chosen[i]])}
-        if k:
-            for token, value in zip(ids[i, :k].tolist(), values[i, :k].tolist()):
-                entry.setdefault(token, value)
+        entry = {int(host[i, 0]): float(host[i, 1])}
+        ids, values = host[i, 2:2 + k].astype(np.int64).tolist(), host[i, 2 + k_max:2 + k_max + k].tolist()
+        for token, value in zip(ids, values):
+            entry.setdefault(token, value)
         result.append(entry)
     return result
 
@@ -226,13 +238,17 @@ def _top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow], chosen: l
 def prompt_logprobs(raw_logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[dict[int, float]]:
     """For each position, the logprob of the prompt's actual next token plus the top-``k``."""
     logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
-    actual = logprobs.gather(1, torch.tensor(next_token_ids, device=logprobs.device)[:, None]).squeeze(1).tolist()
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    actual = logprobs.gather(1, to_device(next_token_ids, logprobs.device)[:, None])
+    columns = [actual.double()]
+    if k:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        columns += [top_ids.double(), top_values.double()]
+    host = to_host(torch.cat(columns, dim=1))  # one copy back
     result = []
     for i, token in enumerate(next_token_ids):
-        entry = {token: actual[i]}
+        entry = {token: float(host[i, 0])}
         if k:
-            for t, v in zip(top_ids[i].tolist(), top_values[i].tolist()):
+            for t, v in zip(host[i, 1:1 + k].astype(np.int64).tolist(), host[i, 1 + k:].tolist()):
                 entry.setdefault(t, v)
         result.append(entry)
     return result

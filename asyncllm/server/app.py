@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import AsyncLLMError, ConfigError, InvalidRequestError, LoRAError
-from ..frontend.messages import check_utf8
+from ..frontend.text import check_utf8
 from ..frontend.pooling import POOLINGS
 from ..frontend.prompts import render_chat
 from ..frontend.tokenizing import decode_ids, encode_text

@@ -16,11 +16,9 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Iterable
 
-import llguidance
-import llguidance.hf
-
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
+from .grammar_engine import llguidance, require_grammar_engine
 from .schema import JSON_OPTIONS, choice_grammar, closed_objects, parse_schema
 from .state import GrammarState, fill_bitmask, forbidden_mask
 
@@ -88,6 +86,7 @@ class GrammarCompiler:
         return self._compile("lark", lark, field, lambda: llguidance.LLMatcher.grammar_from_lark(lark))
 
     def _compile(self, kind: str, source: str, field: str, build: Callable[[], str]) -> GrammarTemplate:
+        require_grammar_engine(field)
         key = (kind, source)
         with self._lock:
             template = self._cache.get(key)
@@ -130,6 +129,7 @@ class GrammarCompiler:
 
 def _to_lark(grammar: str) -> str:
     """Lark (llguidance's dialect) as it is; GBNF (``root ::= ...``, llama.cpp's) converted."""
+    require_grammar_engine("grammar")
     from llguidance.gbnf_to_lark import any_to_lark
 
     try:

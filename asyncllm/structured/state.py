@@ -12,10 +12,11 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import llguidance
-import llguidance.torch
 import numpy as np
 import torch
+
+from ..kernels.transfer import to_device
+from .grammar_engine import llguidance
 
 _executor = None
 _executor_lock = threading.Lock()
@@ -113,7 +114,7 @@ def forbidden_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if bitmask.device.type == "cpu":
         bits = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, bitorder="little")
         return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
-    shifts = _SHIFTS.to(bitmask.device)
+    shifts = to_device(_SHIFTS, bitmask.device, torch.int32)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size] == 0
 
@@ -123,11 +124,11 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[Gram
     vocab_size = logits.shape[1]
     bitmask = grammar_bitmask(states, vocab_size)
     if logits.device.type != "cpu":
-        bitmask = bitmask.to(logits.device, non_blocking=True)
+        bitmask = to_device(bitmask, logits.device, torch.int32)  # page-locked: the copy does not wait
     forbidden = forbidden_mask(bitmask, vocab_size)
     if len(rows) == logits.shape[0]:  # every row constrained: no gather/scatter needed
         logits.masked_fill_(forbidden, float("-inf"))
         return
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, logits.device)
     constrained = logits.index_select(0, index).masked_fill_(forbidden, float("-inf"))
     logits.index_copy_(0, index, constrained)

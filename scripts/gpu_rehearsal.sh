@@ -20,8 +20,10 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 VENV=${GPU_REHEARSAL_VENV:-$HOME/.cache/asyncllm/gpu-image-venv}
 PINS="torch==2.11.0 triton==3.6.0 transformers==5.17.0"
-# what asyncllm and its tests import, all of them on the image (versions as pip picks them)
-EXTRA="numpy safetensors tokenizers huggingface-hub anyio httpx tqdm jinja2 pytest pytest-timeout hypothesis
+# what asyncllm and its tests import, all of them on the image (versions as pip picks them). numpy
+# below 2.4: the image has 2.5.2, where the kernels are compiled, but triton 3.6's interpreter (used
+# here) turns 1-element arrays into ints, which numpy 2.4 and later refuse ("only 0-dimensional arrays ...").
+EXTRA="numpy<2.4 safetensors tokenizers huggingface-hub anyio httpx tqdm jinja2 pytest pytest-timeout hypothesis
 prometheus-client psutil pyyaml regex"
 START=$SECONDS
 
@@ -54,7 +56,8 @@ if [ ! -f "$STAMP" ]; then
         skip "pip could not install the GPU image's versions (see $OUT/install.log)"
     fi
     # Prune to the image: whatever the three pulled in that the image lacks (pydantic, ...) goes.
-    extras=$("$VENV/bin/python" - scripts/gpu_image_packages.txt <<'PYEOF'
+    # (-I: not this checkout's asyncllm.egg-info, which is not a package of the venv)
+    extras=$("$VENV/bin/python" -I - "$PWD/scripts/gpu_image_packages.txt" <<'PYEOF'
 import re, sys
 from importlib.metadata import distributions
 norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
@@ -66,7 +69,7 @@ PYEOF
     if [ -n "$extras" ]; then
         step "removing packages the GPU image does not have: $extras"
         # shellcheck disable=SC2086
-        "$VENV/bin/pip" uninstall -q -y $extras >>"$OUT/install.log" 2>&1
+        (cd / && "$VENV/bin/pip" uninstall -q -y $extras) >>"$OUT/install.log" 2>&1
     fi
     touch "$STAMP"
 fi

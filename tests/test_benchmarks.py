@@ -318,3 +318,18 @@ def test_w_scale_out_tiny(model_dirs, tmp_path):
         assert row["tokens"] == 2 * 6 and row["tokens_per_s"] > 0 and row["decode_step_ms"] > 0
         assert row["same_as_tp1"] is True
     assert json.loads(out.read_text())["workload"] == "W-SCALE-OUT"
+
+
+def test_w_gpu_smoke_runs_asyncllm_and_the_transformers_peer(tmp_path):
+    """W-GPU's driver end to end on CPU (tiny model, 8 requests): both engines produce tokens with
+    this transformers (5.24 here; the GPU-image rehearsal runs it on 5.17), and the report is saved."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.w_gpu", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "w_gpu.json").read_text())
+    assert "errors" not in report
+    assert report["asyncllm"]["tokens_per_s"] > 0 and report["asyncllm"]["length_mismatches"] == 0
+    peer = report["hf_continuous_batching"]
+    assert peer["tokens"] > 0 and peer["config_fields_missing"] == []  # 5.24 has every field asked for

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from asyncllm import AsyncLLM, __version__
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.server import create_app
 from asyncllm.frontend.prompts import ChatPrompt
 from server_helpers import assert_error, request
@@ -111,14 +111,15 @@ def test_structured_output_extras_conflicts_and_refused_fields(llm):
 
 @pytest.fixture(scope="module")
 def thinking_llm(model_dirs, tmp_path_factory):
-    """The test model with a chat template that reads ``enable_thinking`` (as Qwen3's does)."""
+    """The test model with a chat template that reads ``enable_thinking`` (as Qwen3's does), and that
+    renders nothing at all when ``blank`` is set."""
     import shutil
 
     path = tmp_path_factory.mktemp("thinking") / "model"
     shutil.copytree(model_dirs["llama"], path)
     template = path / "chat_template.jinja"
-    template.write_text(template.read_text() +
-                        "{% if enable_thinking is defined and enable_thinking %}{{ '<think>' }}{% endif %}")
+    template.write_text("{% if blank is defined and blank %}{% else %}" + template.read_text() +
+                        "{% if enable_thinking is defined and enable_thinking %}{{ '<think>' }}{% endif %}{% endif %}")
     llm = AsyncLLM(str(path), dtype="float32")
     yield llm
     llm.close()
@@ -133,6 +134,26 @@ def test_chat_template_kwargs_reach_the_template(thinking_llm):
                                                   max_tokens=1))
     assert tokenized.prompt.endswith("<think>")
     assert_error(chat(app, chat_template_kwargs={"tokenize": True}), 400, "chat_template_kwargs")
+
+
+def test_the_chat_template_is_the_operators(thinking_llm):
+    """No argument of the template call can be set by a client: above all not the template itself."""
+    app = create_app(thinking_llm)
+    for key, value in (("chat_template", "{{ 7*7 }}"), ("documents", [{"text": "x"}]),
+                       ("tokenizer_kwargs", {}), ("return_assistant_tokens_mask", True)):
+        response = chat(app, chat_template_kwargs={key: value})
+        assert_error(response, 400, "chat_template_kwargs")
+        assert key in response.json()["error"]["message"]
+    with pytest.raises(InvalidRequestError, match="chat_template"):
+        asyncio.run(thinking_llm.generate(ChatPrompt(CHAT, chat_template_kwargs={"chat_template": "{{ 7*7 }}"}),
+                                          max_tokens=1))
+
+
+def test_a_template_rendering_nothing_is_refused(thinking_llm):
+    app = create_app(thinking_llm)
+    assert_error(chat(app, chat_template_kwargs={"blank": True}), 400, "messages")
+    assert chat(app).status_code == 200  # and the next request is served
+    assert thinking_llm.stats()["num_running"] == 0
 
 
 def test_continue_final_message_and_echo(llm):

@@ -10,9 +10,29 @@ from ..tools.prompting import prepare_messages
 from .text import check_utf8
 from .tokenizing import TooManyTokens, encode_text, max_prompt_chars
 
-# keys of apply_chat_template that ChatPrompt sets itself: chat_template_kwargs may not override them
-_RESERVED_TEMPLATE_KEYS = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
-                           "continue_final_message", "return_dict", "return_tensors"}
+# Arguments of apply_chat_template, which chat_template_kwargs may not set: ChatPrompt sets some itself,
+# and the others change what is rendered or how (``chat_template`` would let a client replace the
+# operator's template with its own Jinja code). Every named parameter of this transformers' version
+# is reserved too, so a new one is closed by default.
+_RESERVED_TEMPLATE_KEYS = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                           "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                           "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                           "processor_kwargs", "sanitize_control_tokens"}
+
+
+def _template_call_parameters() -> set[str]:
+    import inspect
+
+    try:
+        from transformers import PreTrainedTokenizerBase
+
+        parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+
+
+_RESERVED_TEMPLATE_KEYS |= _template_call_parameters()
 
 
 @dataclass
@@ -76,7 +96,10 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
         chat.check()
         text = render_chat(list(chat.messages), tokenizer, tools, tool_parser, chat)
         _check_text_length(text, tokenizer, max_model_len, "messages")
-        return text, _encode(tokenizer, text, False, max_model_len)
+        ids = _encode(tokenizer, text, False, max_model_len)
+        if not ids:  # nothing to run: the engine would wait forever for a first token
+            raise InvalidRequestError("messages: the chat template rendered an empty prompt", field="messages")
+        return text, ids
     if isinstance(prompt, (list, tuple)) and prompt:
         ids = list(prompt)
         for token in ids:

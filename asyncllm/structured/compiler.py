@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
 from .grammar_engine import llguidance, require_grammar_engine
+from .limits import check_lark, check_schema
 from .schema import JSON_OPTIONS, choice_grammar, closed_objects, parse_schema
 from .state import GrammarState, fill_bitmask, forbidden_mask
 
@@ -68,7 +69,9 @@ class GrammarCompiler:
     def compile_params(self, params: SamplingParams) -> GrammarTemplate | None:
         """The grammar that ``params`` ask for (json_schema, regex, choice or grammar), or None."""
         if params.json_schema is not None:
-            schema = closed_objects(parse_schema(params.json_schema, "json_schema"))
+            schema = parse_schema(params.json_schema, "json_schema")
+            check_schema(schema, "json_schema")  # before anything recursive, ours or the compiler's
+            schema = closed_objects(schema)
             return self._compile("json_schema", json.dumps(schema, ensure_ascii=False), "json_schema",
                                  lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
         if params.regex is not None:
@@ -83,6 +86,7 @@ class GrammarCompiler:
 
     def compile_lark(self, lark: str, field: str) -> GrammarTemplate:
         """A Lark grammar (llguidance's dialect: ``%json {...}`` embeds a JSON schema)."""
+        check_lark(lark, field)
         return self._compile("lark", lark, field, lambda: llguidance.LLMatcher.grammar_from_lark(lark))
 
     def _compile(self, kind: str, source: str, field: str, build: Callable[[], str]) -> GrammarTemplate:
@@ -130,6 +134,7 @@ class GrammarCompiler:
 def _to_lark(grammar: str) -> str:
     """Lark (llguidance's dialect) as it is; GBNF (``root ::= ...``, llama.cpp's) converted."""
     require_grammar_engine("grammar")
+    check_lark(grammar, "grammar")  # GBNF's `name ::=` reads as a rule too
     from llguidance.gbnf_to_lark import any_to_lark
 
     try:

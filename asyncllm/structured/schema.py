@@ -31,6 +31,8 @@ def parse_schema(value: dict | str | bool, field: str) -> dict | bool:
             value = json.loads(value)
         except ValueError as exc:
             raise InvalidRequestError(f"{field}: not valid JSON: {exc}", field=field) from None
+        except RecursionError:  # the decoder recurses per nesting level
+            raise InvalidRequestError(f"{field}: nested too deeply", field=field) from None
     if not isinstance(value, (dict, bool)):
         raise InvalidRequestError(f"{field}: a JSON schema must be an object", field=field)
     return value
@@ -57,8 +59,11 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
-def lark_json(schema: dict | bool) -> str:
+def lark_json(schema: dict | bool, field: str = "tools") -> str:
     """A ``%json`` item for a Lark grammar: the schema with the compact JSON options embedded."""
+    from .limits import check_schema
+
+    check_schema(schema, field)
     schema = closed_objects(schema)
     if schema is True:
         schema = {}

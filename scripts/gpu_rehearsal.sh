@@ -3,7 +3,7 @@
 # python 3.12, torch 2.11, triton 3.6, transformers 5.17, and no package that image lacks
 # (scripts/gpu_image_packages.txt; pydantic and llguidance are not there). Then:
 #   1. the preflight without its GPU checks (imports, pytest);
-#   2. every CUDA test collects (scripts/gpu_tests.txt);
+#   2. every CUDA test collects (scripts/gpu_tests.txt, and the TP=2 tests gpu_check.sh runs on two GPUs);
 #   3. those tests run, the Triton kernels in triton 3.6's interpreter, and the kernels compile for
 #      sm_90 with triton 3.6's compiler (tests/test_kernels_compile.py);
 #   4. W-GPU's driver end to end (`benchmarks.w_gpu --smoke`), its transformers 5.17 peer included.
@@ -85,7 +85,8 @@ step "1. preflight (no GPU checks)"
 "$PY" scripts/gpu_preflight.py "$OUT" --no-gpu || failed+=(preflight)
 
 step "2. the CUDA tests collect"
-if "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}" >"$OUT/collect.log" 2>&1; then
+if "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}" tests/test_tensor_parallel.py \
+        >"$OUT/collect.log" 2>&1; then
     tail -1 "$OUT/collect.log"
 else
     tail -20 "$OUT/collect.log"; failed+=(collect)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import InvalidRequestError, short_repr
+
+_DECIMAL_KEY = re.compile(r"-?[0-9]{1,18}")  # a token id as a JSON object key (logit_bias)
 
 _STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar")
 
@@ -199,7 +202,9 @@ class SamplingParams:
             _fail("logit_bias", "expected a mapping of token id to bias")
         converted: dict[int, float] = {}
         for token, bias in self.logit_bias.items():
-            token_id = int(token) if isinstance(token, str) and token.lstrip("-").isdigit() else token
+            # JSON keys are strings: "42" is token 42. Only short ASCII decimals are converted ("²" and
+            # "٣" pass str.isdigit, and int() refuses 5,000 digits); anything else fails _check_token.
+            token_id = int(token) if isinstance(token, str) and _DECIMAL_KEY.fullmatch(token) else token
             _check_token("logit_bias", token_id, vocab_size)
             _check_number("logit_bias", bias)
             if not -100 <= bias <= 100:

@@ -91,3 +91,13 @@ def test_hostile_grammars_are_400s_and_the_host_lives(llm, path, body, field):
     ok = request(app, "POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
     assert ok.status_code == 200
     assert llm.stats()["num_running"] == 0
+
+
+@pytest.mark.parametrize("key", ["²", "٣", "9" * 5000, "1e3", ""])
+def test_odd_logit_bias_keys_are_400s(llm, key):
+    app = create_app(llm)
+    response = request(app, "POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2,
+                                                                  "logit_bias": {key: 1}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias", response.text
+    assert request(app, "POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2,
+                                                               "logit_bias": {"7": 1}}).status_code == 200

@@ -31,7 +31,7 @@ async def read_json_body(request: Request, limit: int) -> bytes:
 async def read_body(request: Request, limit: int) -> bytes:
     """Read at most ``limit`` bytes of body (413 past it, before reading more); cached for ``request.body()``."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise _too_large(limit)
     chunks, size = [], 0
     async for chunk in request.stream():

@@ -20,7 +20,6 @@ short still leaves its figures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import inspect
 import json
@@ -112,8 +111,7 @@ def cb_config(auto_flash: bool):
     from transformers.generation import ContinuousBatchingConfig
 
     wanted = {"allow_block_sharing": False, "seed": 0, "auto_switch_to_flash": auto_flash}
-    known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
-        if dataclasses.is_dataclass(ContinuousBatchingConfig) else set(inspect.signature(ContinuousBatchingConfig).parameters)
+    known = set(inspect.signature(ContinuousBatchingConfig).parameters)  # a dataclass's fields, or any class's arguments
     return (ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in known}),
             sorted(set(wanted) - known))
 

@@ -118,7 +118,8 @@ class LoRASlots:
         self.token_slots = torch.tensor([slot for slot, rows in ordered for _ in rows], dtype=torch.int64)
         segment_rows, segment_starts, segment_slots = stage(
             [[r for _, rows in ordered for r in rows], starts, [slot for slot, _ in ordered]], self.device)
-        self.segments = (segment_rows, segment_starts, segment_slots, max((len(rows) for _, rows in ordered), default=0))
+        longest = max((len(rows) for _, rows in ordered), default=0)
+        self.segments = (segment_rows, segment_starts, segment_slots, longest)
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add every group's LoRA delta for ``fused`` of ``layer`` into ``y`` (in place)."""

@@ -7,6 +7,7 @@ import logging
 import math
 import mmap
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -312,9 +313,8 @@ class ModelRunner:
         logit_index = None if _is_range(step.logit_rows, len(step.token_ids)) else step.logit_rows
         arrays = [step.token_ids, positions, slots, seq_lens, query_start, tables, logit_index or [], step.pool_rows]
         ids, pos, slot_mapping, lens, starts_t, tables_t, logit_t, pool_t = stage(arrays, self.device)
-        seq_lens_list = seq_lens.tolist()
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, query_start=query_start.tolist(), seq_lens=seq_lens_list,
+            slot_mapping=slot_mapping, query_start=query_start.tolist(), seq_lens=seq_lens.tolist(),
             block_tables=tables_t.view(step.num_seqs, max_blocks), seq_lens_tensor=lens,
             query_start_tensor=starts_t, block_size=self.block_size,
             decode_indices=[i for i, n in enumerate(step.num_new_tokens) if n == 1],
@@ -345,14 +345,12 @@ class ModelRunner:
         return torch.tensor(step.token_ids), torch.from_numpy(starts), meta
 
 
-class _Gathers:
+class _Gathers(NamedTuple):
     """Which rows of the step's hidden states go on: the LM head's (None: every row, in order) and
     the pooled ones (embeddings), as device index tensors."""
 
-    __slots__ = ("logit_index", "pool_index")
-
-    def __init__(self, logit_index: torch.Tensor | None, pool_index: torch.Tensor | None) -> None:
-        self.logit_index, self.pool_index = logit_index, pool_index
+    logit_index: torch.Tensor | None
+    pool_index: torch.Tensor | None
 
     @classmethod
     def of(cls, step: StepInput, device: torch.device) -> "_Gathers":

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from ..errors import InvalidRequestError
+from .limits import check_schema
 
 # llguidance's JSON compiler options (its "x-guidance" schema key takes the same names)
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -61,8 +62,6 @@ def closed_objects(schema: Any) -> Any:
 
 def lark_json(schema: dict | bool, field: str = "tools") -> str:
     """A ``%json`` item for a Lark grammar: the schema with the compact JSON options embedded."""
-    from .limits import check_schema
-
     check_schema(schema, field)
     schema = closed_objects(schema)
     if schema is True:

@@ -21,7 +21,6 @@ from .grammar_engine import llguidance
 _executor = None
 _executor_lock = threading.Lock()
 _prefetch_pool: ThreadPoolExecutor | None = None
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarState:
@@ -114,7 +113,7 @@ def forbidden_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if bitmask.device.type == "cpu":
         bits = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, bitorder="little")
         return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
-    shifts = to_device(_SHIFTS, bitmask.device, torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made there: nothing to copy
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size] == 0
 

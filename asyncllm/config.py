@@ -19,6 +19,7 @@ class EngineConfig:
     revision: str | None = None        # hub ids: branch, tag or commit
     hf_token: str | bool | None = None  # hub ids: access token (None: HF_TOKEN or the saved login)
     quantization: str | None = None    # None (the checkpoint decides), "int8" or "none" (model/quantization.py)
+    model_impl: str = "auto"           # "auto", "native" or "transformers" (model/registry.py, docs/models.md)
     skip_tokenizer_init: bool = False  # token ids in, token ids out: no tokenizer is loaded
     generation_config: str = "auto"    # "auto": generation_config.json's sampling defaults apply; "none": ignored
     dtype: str = "auto"
@@ -77,6 +78,8 @@ class EngineConfig:
             raise ConfigError("hf_token must be a string, True/False or None")
         if self.quantization not in (None, "int8", "none"):
             raise ConfigError(f"quantization must be None, 'int8' or 'none', got {self.quantization!r}")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ConfigError(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
         if self.generation_config not in ("auto", "none"):
             raise ConfigError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if not isinstance(self.skip_tokenizer_init, bool):

@@ -105,10 +105,14 @@ def toy_ggufs(model_dir_factory, tmp_path_factory):
     return source, files
 
 
-def _transformers_greedy(gguf: Path, prompts=PROMPTS, new_tokens: int = 12) -> list[list[int]]:
+def _transformers_greedy(gguf: Path, prompts=PROMPTS, new_tokens: int = 12, config=None) -> list[list[int]]:
+    """transformers' greedy output on the GGUF file's (dequantized) weights; ``config``: the original
+    checkpoint's config, whose rope scaling transformers' GGUF reader does not read from the file."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    kwargs = {"config": config} if config is not None else {}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 **kwargs).eval()
     outs = []
     with torch.no_grad():
         for ids in prompts:
@@ -120,13 +124,33 @@ def _transformers_greedy(gguf: Path, prompts=PROMPTS, new_tokens: int = 12) -> l
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_gguf_greedy_equals_transformers_reading_the_same_file(toy_ggufs, qtype):
-    _, files = toy_ggufs
+    """The oracle is transformers on the file's weights with the original config: the toy Llama has
+    llama3 rope scaling, which the file holds only as llama.cpp's rope_freqs tensor."""
+    from transformers import AutoConfig
+
+    source, files = toy_ggufs
     llm = LLM(str(files[qtype]), dtype="float32")
     assert llm.engine.runner.weight_format.int8 == (qtype == "Q8_0")  # Q8_0 runs as int8, as stored
-    assert _greedy(llm) == _transformers_greedy(files[qtype])
+    assert llm.engine.hf_config.rope_freq_factors  # read from the file
+    assert _greedy(llm) == _transformers_greedy(files[qtype], config=AutoConfig.from_pretrained(source))
     # a directory holding one .gguf file is the same model; the chat template came along
     assert _greedy(LLM(str(files[qtype].parent), dtype="float32")) == _greedy(llm)
     assert llm.tokenizer.chat_template
+
+
+def test_llama3_scaled_gguf_equals_the_float_original(toy_ggufs):
+    """An F32 GGUF of a llama3-scaled Llama is the original checkpoint: same greedy tokens as
+    transformers on the safetensors original (plain rope, what transformers' GGUF reader gives,
+    would differ: checked too, so the scaling decides tokens here)."""
+    from checkpoints import load_reference_model, reference_greedy
+
+    source, files = toy_ggufs
+    long_prompts = [list(range(5, 300)), [7, 8, 9] * 40]  # past original_max_position_embeddings (256)
+    llm = LLM(str(files["F32"]), dtype="float32")
+    got = [o.outputs[0].token_ids for o in llm.generate(long_prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                                                     ignore_eos=True))]
+    assert got == reference_greedy(source, long_prompts, 12, model=load_reference_model(source))
+    assert got != _transformers_greedy(files["F32"], long_prompts)
 
 
 def test_q8_0_int8_equals_its_widened_weights(toy_ggufs):

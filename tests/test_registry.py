@@ -1,5 +1,6 @@
-"""The model registry: one entry per checkpoint layout, used by the loader and the LoRA loader; Phi-3
-(fused qkv/gate_up checkpoints) joins by an entry and a config check, greedy-equal to transformers."""
+"""The model registry: architecture name -> the family class whose declaration the loader, the LoRA
+loader and the fast paths read; Phi-3 (fused qkv/gate_up checkpoints) greedy-equal to transformers;
+unsupported variants refused with the feature and its config key named."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.errors import LoRAError, ModelLoadError
-from asyncllm.model.registry import ARCHITECTURES, architecture_for
+from asyncllm.model.registry import NATIVE, architecture_for
 from checkpoints import load_reference_model, reference_greedy
 from test_parity import GREEDY, NEW_TOKENS, parity_prompts
 
@@ -26,8 +27,9 @@ def test_phi3_checkpoint_is_fused_and_loads_without_mapping(phi3_dir):
         names = set(f.keys())
     assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
     assert not any(".q_proj." in n or ".gate_proj." in n for n in names)
-    config = json.loads((phi3_dir / "config.json").read_text())
-    assert ARCHITECTURES[config["architectures"][0]].fused == {}
+    from transformers import AutoConfig
+
+    assert architecture_for(AutoConfig.from_pretrained(phi3_dir)).fused == {}
 
 
 @pytest.mark.parametrize("engine_kwargs", [{}, {"block_size": 4, "max_num_batched_tokens": 32},
@@ -41,20 +43,36 @@ def test_phi3_greedy_equals_transformers(phi3_dir, engine_kwargs):
     assert llm.stats()["kv_blocks_used"] == 0
 
 
-def test_phi3_variants_the_decoder_lacks_are_refused(phi3_dir):
+def test_unsupported_variants_name_the_feature_and_config_key(phi3_dir, tmp_path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(phi3_dir)
-    config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 0.5}
-    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
+    architecture_for(config)  # partial rotary and longrope are implemented now (test_families.py)
+    config.rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0}
+    with pytest.raises(ModelLoadError, match=r"rope type 'proportional' \(config key rope_parameters.rope_type\)"):
         architecture_for(config)
-    config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
-                              "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
-    with pytest.raises(ModelLoadError, match="longrope"):
+    config = AutoConfig.from_pretrained(phi3_dir)
+    config.hidden_act = "relu2"
+    with pytest.raises(ModelLoadError, match=r"activation 'relu2' \(config key hidden_act\)"):
         architecture_for(config)
     config.architectures = ["GPT2LMHeadModel"]
-    with pytest.raises(ModelLoadError, match="Phi3ForCausalLM"):  # the error lists what is supported
-        architecture_for(config)
+    with pytest.raises(ModelLoadError, match="Phi3ForCausalLM"):  # the error lists the native families
+        architecture_for(config, model_impl="native")
+    with pytest.raises(ModelLoadError, match="model_impl"):
+        architecture_for(config, model_impl="fast")
+
+
+def test_a_checkpoint_asking_for_remote_code_says_so(phi3_dir, tmp_path):
+    from asyncllm.model.loader import load_hf_config
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps(
+        {"architectures": ["MyModelForCausalLM"], "model_type": "my_model",
+         "auto_map": {"AutoConfig": "configuration_my.MyConfig"}}))
+    with pytest.raises(ModelLoadError, match="trust_remote_code"):
+        load_hf_config(remote)
+    assert len(NATIVE) >= 13
 
 
 def test_lora_targets_come_from_the_registry(phi3_dir, tmp_path):

@@ -103,7 +103,11 @@ def test_unknown_architecture_names_supported_ones(tmp_path, model_dirs):
     config = json.loads((bad / "config.json").read_text())
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
+    with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):  # forced native: the error lists the families
+        LLM(str(bad), model_impl="native")
+    config.update(architectures=["MadeUpForCausalLM"], model_type="made_up")
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="made_up"):  # neither native nor known to transformers
         LLM(str(bad))
 
 

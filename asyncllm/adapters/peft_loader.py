@@ -52,13 +52,17 @@ def module_shapes(shape: DecoderShape) -> dict[str, tuple[int, int]]:
 
 def load_peft_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank: int) -> LoRAWeights:
     """Load and validate a PEFT adapter for a base model of ``shape``."""
+    allowed = architecture_named(shape.architecture).lora_targets
+    if not allowed:
+        raise LoRAError(f"adapter {name!r}: LoRA adapters are not supported for this architecture "
+                        f"({shape.architecture}) yet (docs/models.md)")
     root = _checked_dir(path)
     config = _read_config(root)
     rank = int(config.get("r", 0))
     if not 0 < rank <= max_rank:
         raise LoRAError(f"adapter {name!r} has rank {rank}, above max_lora_rank={max_rank}" if rank > 0
                         else f"adapter {name!r}: invalid rank {rank}")
-    targets = _targets(name, config, architecture_named(shape.architecture).lora_targets)
+    targets = _targets(name, config, allowed)
     pairs = _read_tensors(name, root / "adapter_model.safetensors")
     weights = _build(name, config, pairs, shape, max_rank)
     found = tuple(sorted({t for _, t in weights}))
@@ -100,8 +104,6 @@ def _targets(name: str, config: dict, allowed: tuple[str, ...]) -> list[str]:
     """The adapter's target modules, each one the architecture takes LoRA on (model/registry.py)."""
     raw = config.get("target_modules") or []
     targets = [raw] if isinstance(raw, str) else list(raw)
-    if not allowed:
-        raise LoRAError(f"adapter {name!r}: LoRA adapters are not supported for this architecture yet")
     unknown = [t for t in targets if t.split(".")[-1] not in allowed]
     if unknown:
         raise LoRAError(f"adapter {name!r} targets modules the base model lacks or that cannot take LoRA: "

@@ -66,6 +66,8 @@ class Sharding:
             return _cat_rows([_rows(_rows(tensor, at, half), *self._row_ranges("gate_up_proj", p))
                               for at, p in ((0, 0), (half, 1))])
         if module in ("o_proj", "down_proj"):
+            if param.endswith(".bias"):  # added once to the summed output: rank 0 keeps it, the others add zeros
+                return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
             return _columns(tensor, *self._column_range(module))
         if module in ("embed_tokens", "lm_head"):
             start, per_rank = self.tp.vocab(s.vocab_size)

@@ -320,7 +320,7 @@ def run_worker(rank: int, size: int, local_rank: int, init_method: str, backend:
     if backend == "nccl":
         config = dataclasses.replace(config, device=f"cuda:{local_rank}")
     source = resolve_model_source(config.model, config.revision, config.hf_token)
-    hf_config = load_hf_config(source.root)
+    hf_config = load_hf_config(source.root, config.model_impl)
     runner = ModelRunner(config, hf_config, source, resolve_max_model_len(config, hf_config),
                          tp=TensorParallel(rank, config.tensor_parallel_size))
     adapters: dict[int, Any] = {}

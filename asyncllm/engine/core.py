@@ -63,7 +63,7 @@ class EngineCore:
         self.source = resolve_model_source(config.model, config.revision, config.hf_token)
         root: Path = self.source.root
         self.model_dir = root  # config, tokenizer and generation config files
-        self.hf_config = load_hf_config(root)
+        self.hf_config = load_hf_config(root, config.model_impl)
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.runner = ModelRunner(config, self.hf_config, self.source, self.max_model_len)
         self.vocab_size = self.runner.shape.vocab_size
@@ -203,6 +203,9 @@ class EngineCore:
             # already finished (e.g. its stop-string stop is still queued): drop it without a word.
             if not stale.is_finished:
                 self.scheduler.finish(stale)
+        rope_key = self.runner.rope_cache_key(len(request.prompt_token_ids))
+        if rope_key is not None:  # length-dependent rope: KV rotated for another prompt length is not reusable
+            request.cache_salt = (request.cache_salt, ("rope", rope_key))
         seqs = [Sequence(request, i, self._generator_for(request, i)) for i in range(request.params.num_sequences)]
         request.num_unfinished = len(seqs)
         leader = seqs[0]

@@ -32,6 +32,7 @@ class StepInput:
     loras: list[Any] = field(default_factory=list)      # per sequence: its adapter's weights, or None
     loras_in_use: set[int] = field(default_factory=set)  # adapter ids of every running sequence
     pool_rows: list[int] = field(default_factory=list)  # flat positions whose final hidden states are kept
+    prompt_lens: list[int] | None = None  # per sequence: its prompt's length (length-dependent rope reads it)
 
     @property
     def num_seqs(self) -> int:
@@ -54,4 +55,5 @@ class StepInput:
         return cls(token_ids=token_ids, start_positions=starts, num_new_tokens=list(batch.num_new_tokens),
                    block_tables=None, logit_rows=list(logit_rows), table_rows=rows, table_updates=updates,
                    block_copies=list(batch.block_copies), loras=[seq.request.lora for seq in batch.seqs],
-                   loras_in_use=set(batch.loras_in_use), pool_rows=list(pool_rows))
+                   loras_in_use=set(batch.loras_in_use), pool_rows=list(pool_rows),
+                   prompt_lens=[len(seq.request.prompt_token_ids) for seq in batch.seqs])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import EngineConfig
 from ..errors import ConfigError
+from ..model.rotary import rope_parameters, rope_type_of
 from ..sampling_params import SamplingParams
 from .request import Sequence
 
@@ -15,16 +16,15 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
-    """``max_model_len``, defaulting to the model's; capped by a sliding window, which this
-    engine does not implement (so every sequence stays inside the window and stays exact)."""
+    """``max_model_len``, defaulting to the model's. Sliding windows do not cap it: attention applies
+    them (model/decoder.py)."""
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    params = rope_parameters(hf_config)
+    if rope_type_of(params) == "dynamic":  # dynamic NTK rope exists to stretch the context by its factor
+        limit = int(limit * float(params.get("factor", 1.0)))
     value = config.max_model_len or limit
     if value > limit:
         raise ConfigError(f"max_model_len={value} exceeds the model's max_position_embeddings ({limit})")
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and window < value:
-        logger.warning("max_model_len capped from %d to the model's sliding window %d", value, window)
-        value = window
     return value
 
 

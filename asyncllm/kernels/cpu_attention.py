@@ -15,7 +15,7 @@ import torch
 
 from .cpu_build import load_library
 from .metadata import AttentionMetadata
-from .torch_attention import TorchAttentionBackend, PrefillPlan, plan_prefills
+from .torch_attention import TorchAttentionBackend, PrefillPlan, plan_prefills, windowed_attention
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -91,7 +91,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             seqs=torch.tensor(idx, dtype=torch.int64, device=device), prefills=plan_prefills(meta))
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        if window is not None or softcap is not None:  # the C kernel has neither: the reference runs them
+            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap)
         output = torch.empty_like(query)
         if meta.backend_state is None:
             self.prepare(meta)

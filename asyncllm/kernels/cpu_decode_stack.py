@@ -13,8 +13,8 @@ Float32 projections are read as panels of 32 output columns (:func:`to_panels`, 
 oneDNN-packed copies serve the regular path, so float32 weights are held twice while this path is
 on; ``ASYNCLLM_CPU_DECODE_STACK=0`` turns it off); builds without AVX-512 read them row-major.
 Int8 projections are read straight from their ``qweight``/``scales`` buffers (no second copy).
-Not used for LoRA steps, Qwen3's q/k norms, or shapes the kernel does not take (widths not a
-multiple of 8).
+Not used for LoRA steps, Qwen3's q/k norms, families whose layers are not Llama's (``DecoderShape.llama_math``,
+plain full-width rope), or shapes the kernel does not take (widths not a multiple of 8).
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ def _projection(module: nn.Module, panels: bool) -> tuple[torch.Tensor, torch.Te
     return qweight.contiguous(), scales.float().contiguous(), getattr(module, "bias", None)
 
 
+def _plain_rope(model: nn.Module, shape) -> bool:
+    rotary = model.model.layers[0].self_attn.rotary
+    return rotary is not None and rotary.plain and rotary.rotary_dim == shape.head_dim
+
+
 class DecodeStack:
     """The model's layers, as pointers for the C kernel; build with :meth:`build` (None when the
     model or machine does not qualify)."""
@@ -140,6 +145,8 @@ class DecodeStack:
             reason = "the C kernel could not be built"
         elif shape.qk_norm:
             reason = "q/k norms (Qwen3) are not in the kernel"
+        elif not shape.llama_math or not _plain_rope(model, shape):
+            reason = "the kernel computes Llama's layers only (this family differs; it runs the module path)"
         elif any(size % 8 for size in (shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim)):
             reason = "widths must be multiples of 8"
         elif int8 and group and group % 8:

@@ -30,6 +30,10 @@ class AttentionMetadata:
     # one "sequence" per token, several of them consecutive positions of one real sequence (a small
     # multi-token step laid out for the CPU decode stack, which then writes every row's KV first)
     chained: bool = False
+    # per sequence: the length its rope is computed for, max(prompt length, seq_lens[i]) (longrope and
+    # dynamic rope, model/rotary.py); None: seq_lens
+    rope_lens: list[int] | None = None
+    rope_lens_tensor: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

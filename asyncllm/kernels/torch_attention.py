@@ -127,8 +127,13 @@ class TorchAttentionBackend:
         write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query: [tokens, heads, head_dim] -> output of the same shape."""
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """query: [tokens, heads, head_dim] -> output of the same shape. ``window``: each query sees
+        only the last ``window`` positions (itself included); ``softcap``: scores pass through
+        ``softcap * tanh(score / softcap)`` before the softmax."""
+        if window is not None or softcap is not None:
+            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap)
         output = torch.empty_like(query)
         if meta.backend_state is None:
             self.prepare(meta)
@@ -179,3 +184,41 @@ class TorchAttentionBackend:
             mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
             out = _sdpa(q, k, v, mask, scale)
         output[start:end] = out.squeeze(0).transpose(0, 1)
+
+
+def windowed_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Paged attention with a sliding window and/or soft-capped scores, one sequence at a time: the
+    reference for those layers (Gemma 2/3, Mistral and Qwen2 windows), and what every backend runs
+    for them. A window also bounds the keys read: only the blocks inside it are gathered."""
+    output = torch.empty_like(query)
+    kv_heads, dim = k_cache.shape[-2:]
+    heads = query.shape[1]
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        if end == start:
+            continue
+        seq_len, q_len = meta.seq_lens[i], end - start
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)  # oldest key any query here sees
+        first_block = first // meta.block_size
+        num_blocks = -(-seq_len // meta.block_size)
+        blocks = meta.block_tables[i, first_block:num_blocks]
+        offset = first_block * meta.block_size
+        k = k_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:seq_len - offset]
+        v = v_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:seq_len - offset]
+        if kv_heads != heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+        q = query[start:end].float().transpose(0, 1)                    # [heads, q_len, dim]
+        scores = q @ k.float().permute(1, 2, 0) * scale                 # [heads, q_len, keys]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(offset, seq_len, device=query.device)[None, :]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        output[start:end] = (probs @ v.float().transpose(0, 1)).transpose(0, 1).to(query.dtype)
+    return output

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache_write import write_kv_cache
+from .torch_attention import windowed_attention
 from .metadata import AttentionMetadata
 from .paged_attention import paged_attention, split_buffers
 from .transfer import stage, to_device
@@ -125,8 +126,13 @@ class TritonAttentionBackend:
         write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query: [tokens, heads, head_dim] -> output of the same shape (contiguous)."""
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """query: [tokens, heads, head_dim] -> output of the same shape (contiguous). Windowed or
+        soft-capped layers run the torch reference (torch_attention.windowed_attention): the kernel
+        has neither yet (docs/models.md)."""
+        if window is not None or softcap is not None:
+            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.backend_state is None:
             self.prepare(meta)

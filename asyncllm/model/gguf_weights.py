@@ -99,6 +99,19 @@ def read_tensor_table(file: Path) -> dict:
                          "dtype": t.data.dtype.str, "offset": int(t.data_offset)} for t in reader.tensors]}
 
 
+def read_rope_freqs(file: Path, table: dict) -> list[float] | None:
+    """The ``rope_freqs`` tensor of a file, if it has one: llama.cpp's converter stores a Llama 3.x
+    model's rope scaling as one divisor per rotary frequency instead of as metadata."""
+    entry = next((t for t in table["tensors"] if t["name"] == "rope_freqs.weight"), None)
+    if entry is None:
+        return None
+    if entry["type"] != "F32":
+        raise ModelLoadError(f"GGUF tensor rope_freqs.weight has type {entry['type']}, expected F32")
+    data = np.memmap(file, dtype=np.dtype(entry["dtype"]), mode="r", offset=entry["offset"],
+                     shape=tuple(entry["shape"]))
+    return [float(x) for x in np.asarray(data, dtype=np.float32).reshape(-1)]
+
+
 def linear_quant_types(table: dict) -> set[str]:
     """The GGML types of the projection weights (what decides whether a file runs as int8)."""
     return {t["type"] for t in table["tensors"]

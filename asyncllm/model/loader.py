@@ -20,15 +20,27 @@ SUPPORTED_ARCHITECTURES = tuple(supported_architectures())
 _PROGRESS_MIN_BYTES = 512 * 2**20  # show a progress bar only for checkpoints worth waiting on
 
 
-def load_hf_config(root: Path):
-    """The transformers config, refusing architectures this engine does not implement."""
+def load_hf_config(root: Path, model_impl: str = "auto"):
+    """The transformers config, refusing architectures (and variants) this engine cannot run."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(root, local_files_only=True)
-    architecture_for(config)  # refuses architectures (and variants) this engine does not implement
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"unsupported activation {config.hidden_act!r} (only silu)")
+    try:
+        config = AutoConfig.from_pretrained(root, local_files_only=True)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc) or _asks_for_remote_code(root):
+            raise ModelLoadError(f"{root}: this checkpoint's architecture is defined by code shipped with it "
+                                 "(trust_remote_code), which asyncllm does not run; use a checkpoint whose "
+                                 "architecture transformers implements") from exc
+        raise ModelLoadError(f"cannot read the config of {root}: {exc}") from exc
+    architecture_for(config, model_impl)
     return config
+
+
+def _asks_for_remote_code(root: Path) -> bool:
+    try:
+        return "auto_map" in json.loads((Path(root) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def load_tokenizer(root: Path):
@@ -111,9 +123,19 @@ def _load_targets(model) -> dict:
     return targets
 
 
+def _renamed(name: str, renames: dict[str, str]) -> str:
+    """``name`` with each dotted segment the family renames replaced (one pass: renames do not chain)."""
+    if not renames:
+        return name
+    return ".".join(renames.get(part, part) for part in name.split("."))
+
+
 def _copy_tensor(model, params: dict, name: str, tensor, fused_map: dict, sharding=None) -> str | None:
     if "rotary_emb" in name or (name == "lm_head.weight" and model.shape.tie_word_embeddings):
         return None
+    name = _renamed(name, getattr(model, "renamed", {}))
+    if isinstance(tensor, torch.Tensor):
+        tensor = model.prepare_weight(name, tensor)
     for hf_name, (fused, part) in fused_map.items():
         if f".{hf_name}." in name:
             target = name.replace(hf_name, fused)

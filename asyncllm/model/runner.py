@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..distributed.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from ..distributed.sharding import Sharding
 from ..engine.step_input import StepInput
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelLoadError
 from ..kernels.cpu_attention import CpuAttentionBackend
 from ..kernels.cpu_decode_stack import MAX_CHAINED_ROWS, DecodeStack
 from ..kernels.cpu_linear import pack_linear_layers
@@ -29,11 +29,10 @@ from ..kernels.transfer import stage, to_device
 from .cuda_graphs import DecodeGraphs
 from ..platform import Platform, decide_platform
 from .loader import load_weights
-from .quantization import decide_weight_format, finish_int8, make_int8_slots
+from .quantization import WeightFormat, decide_weight_format, finish_int8, make_int8_slots
 from .source import ModelSource, gguf_linear_types
 from .registry import architecture_for
 from .shape import DecoderShape
-from .rotary import RotaryEmbedding, rope_frequencies
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,12 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, hf_config, source: ModelSource | Path, max_model_len: int,
                  tp: TensorParallel | None = None) -> None:
-        self.shape = DecoderShape.from_hf_config(hf_config)
+        self.architecture = architecture_for(hf_config, config.model_impl)
+        self.model_class = self.architecture.model_class()
+        self.shape = _inside_context(self.model_class.read_shape(hf_config), max_model_len)
+        if config.tensor_parallel_size > 1 and not self.model_class.fast_paths.tensor_parallel:
+            raise ConfigError(f"tensor_parallel_size={config.tensor_parallel_size}: {self.architecture.name} "
+                              "runs on one device only (docs/models.md)")
         check_tensor_parallel(self.shape, config.tensor_parallel_size)
         self.workers = None
         if tp is None and config.tensor_parallel_size > 1:
@@ -81,17 +85,34 @@ class ModelRunner:
         self.device, self.dtype = self.platform.device, self.platform.dtype
         self.block_size = config.block_size
         self.local_shape = self.tp.local_shape(self.shape)
+        source = source if isinstance(source, ModelSource) else ModelSource(Path(source))
+        self.lora = LoRASlots(self.local_shape, config.max_loras, config.max_lora_rank, self.device, self.dtype,
+                              Sharding(self.tp, self.shape) if self.tp.enabled else None)
+        if self.architecture.native:
+            self._load_native(config, hf_config, source, max_model_len)
+        else:
+            self._load_through_transformers(config, hf_config, source, max_model_len)
+        self.num_blocks = self._agree_num_blocks(config, max_model_len)
+        # every running sequence's block table, kept across steps (engine/block_tables.py)
+        self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
+        self.kv_caches = self._allocate_kv_caches()
+        # before packing: the decode stack reads the dense float weights (kernels/cpu_decode_stack.py)
+        self.decode_stack = (DecodeStack.build(self.model, self.kv_caches, self.weight_format.int8,
+                                               self.weight_format.group_size)
+                             if self.platform.decode_stack and self.model_class.fast_paths.decode_stack else None)
+        if not self.weight_format.int8 and self.platform.packed_linears:
+            self._pack_cpu_linears()
+        self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
+        self.pooled: torch.Tensor | None = None  # hidden states of the last step's pool_rows (execute)
+
+    def _load_native(self, config: EngineConfig, hf_config, source: ModelSource, max_model_len: int) -> None:
+        """The family's model built on the meta device, then filled tensor by tensor (model/loader.py)."""
         sharding = Sharding(self.tp, self.shape) if self.tp.enabled else None
         self.backend = build_attention_backend(self.platform, self.local_shape)
-        inv_freq, scaling = rope_frequencies(hf_config, self.shape.head_dim)
-        rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
-        self.lora = LoRASlots(self.local_shape, config.max_loras, config.max_lora_rank, self.device, self.dtype,
-                              sharding)
-        self.architecture = architecture_for(hf_config)
+        rotaries = self.model_class.make_rotaries(hf_config, self.shape, max_model_len)
         with torch.device("meta"):
-            model = self.architecture.build(self.local_shape, rotary, self.backend, self.lora, self.tp).to(self.dtype)
+            model = self.model_class(self.local_shape, rotaries, self.backend, self.lora, self.tp).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
-        source = source if isinstance(source, ModelSource) else ModelSource(Path(source))
         self.weight_format = decide_weight_format(config.quantization, source.is_gguf,
                                                   gguf_linear_types(source) if source.is_gguf else set())
         if self.weight_format.int8:
@@ -101,19 +122,36 @@ class ModelRunner:
             tied = self.model.model.embed_tokens.weight if self.shape.tie_word_embeddings else None
             count = finish_int8(self.model, self.weight_format, tied)
             logger.info("int8 weights: %d layers (groups of %s)", count, self.weight_format.group_size or "a row")
-        rotary.build(self.device, self.dtype)
-        self.num_blocks = self._agree_num_blocks(config, max_model_len)
-        # every running sequence's block table, kept across steps (engine/block_tables.py)
-        self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
-        self.kv_caches = self._allocate_kv_caches()
-        # before packing: the decode stack reads the dense float weights (kernels/cpu_decode_stack.py)
-        self.decode_stack = (DecodeStack.build(self.model, self.kv_caches, self.weight_format.int8,
-                                               self.weight_format.group_size)
-                             if self.platform.decode_stack else None)
-        if not self.weight_format.int8 and self.platform.packed_linears:
-            self._pack_cpu_linears()
-        self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
-        self.pooled: torch.Tensor | None = None  # hidden states of the last step's pool_rows (execute)
+        self.model.build_rotaries(self.device, self.dtype)
+
+    def _load_through_transformers(self, config: EngineConfig, hf_config, source: ModelSource,
+                                   max_model_len: int) -> None:
+        """An architecture without a native file: transformers' modules, checked against transformers'
+        own attention at load (model/transformers_backend.py), which also fixes the KV layout."""
+        from .transformers_backend import TransformersModel, verify
+
+        name = self.architecture.name
+        if source.is_gguf:
+            raise ModelLoadError(f"{name}: GGUF files load for the native families only (docs/models.md)")
+        if config.quantization == "int8":
+            raise ConfigError(f"quantization='int8': {name} runs through transformers' modules, which take float "
+                              "weights only")
+        self.backend = build_attention_backend(self.platform, self.local_shape)
+        self.model = TransformersModel.load(hf_config, source.root, self.shape, self.backend, self.dtype, self.device)
+        self.shape = self.local_shape = verify(self.model, self.block_size, max_model_len)
+        self.backend = self.model.backend = build_attention_backend(self.platform, self.local_shape)
+        self.weight_format = WeightFormat()
+
+    @property
+    def length_dependent_rope(self) -> bool:
+        """Whether the model's rope depends on the sequence length (longrope, dynamic NTK)."""
+        return any(r.length_dependent for r in getattr(self.model, "rotaries", ()))
+
+    def rope_cache_key(self, prompt_len: int):
+        """What prompt-cached KV must agree on besides its tokens: for length-dependent rope, the
+        rotation a prompt of this length gets (None: any prompt's KV serves any other)."""
+        keys = tuple(r.cache_key(prompt_len) for r in getattr(self.model, "rotaries", ()) if r.length_dependent)
+        return keys or None
 
     def _agree_num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         """Rank 0 sizes the KV cache and tells the other ranks (every rank needs the same count)."""
@@ -142,6 +180,9 @@ class ModelRunner:
     def _pack_cpu_linears(self) -> None:
         """On CPU, hand every projection to oneDNN with pre-packed weights, and the LM head to the
         panel kernel where it runs (kernels/cpu_panel_linear.py), else to oneDNN too."""
+        if not self.architecture.native:  # transformers' modules: their projections, not the head's panels
+            pack_linear_layers(self.model.hf)
+            return
         tied = self.shape.tie_word_embeddings
         head = self.model.model.embed_tokens.weight if tied else self.model.lm_head.weight
         panel_head = PanelLinear.build(head)
@@ -227,7 +268,11 @@ class ModelRunner:
         return self.backend.name == "triton"
 
     def _capture_cuda_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
-        if not self.platform.cuda_graphs:
+        if not self.platform.cuda_graphs or not self.model_class.fast_paths.cuda_graphs:
+            return None
+        if (self.shape.layer_windows or self.shape.attn_softcap is not None
+                or any(r.dynamic is not None for r in getattr(self.model, "rotaries", ()))):
+            logger.info("CUDA graphs off: windowed or soft-capped attention, or dynamic rope, plans on the host")
             return None
         with self._on_device(), triton_ops(True):
             graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_model_len,
@@ -311,14 +356,20 @@ class ModelRunner:
         positions = np.arange(len(step.token_ids), dtype=np.int64) + (starts - query_start[:-1])[seq_index]
         slots = tables[seq_index, positions // self.block_size] * self.block_size + positions % self.block_size
         logit_index = None if _is_range(step.logit_rows, len(step.token_ids)) else step.logit_rows
-        arrays = [step.token_ids, positions, slots, seq_lens, query_start, tables, logit_index or [], step.pool_rows]
-        ids, pos, slot_mapping, lens, starts_t, tables_t, logit_t, pool_t = stage(arrays, self.device)
+        rope_lens = None
+        if self.length_dependent_rope and step.prompt_lens is not None:
+            rope_lens = np.maximum(seq_lens, np.asarray(step.prompt_lens, dtype=np.int64))
+        arrays = [step.token_ids, positions, slots, seq_lens, query_start, tables, logit_index or [], step.pool_rows,
+                  rope_lens if rope_lens is not None else []]
+        ids, pos, slot_mapping, lens, starts_t, tables_t, logit_t, pool_t, rope_t = stage(arrays, self.device)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start=query_start.tolist(), seq_lens=seq_lens.tolist(),
             block_tables=tables_t.view(step.num_seqs, max_blocks), seq_lens_tensor=lens,
             query_start_tensor=starts_t, block_size=self.block_size,
             decode_indices=[i for i, n in enumerate(step.num_new_tokens) if n == 1],
             prefill_indices=[i for i, n in enumerate(step.num_new_tokens) if n > 1])
+        if rope_lens is not None:
+            meta.rope_lens, meta.rope_lens_tensor = rope_lens.tolist(), rope_t
         self.backend.prepare(meta)
         return ids, pos, meta, _Gathers(logit_t if logit_index is not None else None, pool_t)
 
@@ -383,6 +434,14 @@ def _decode_metadata(starts: np.ndarray, tables: np.ndarray, block_size: int) ->
         block_tables=torch.from_numpy(tables), seq_lens_tensor=torch.from_numpy(seq_lens),
         query_start_tensor=torch.arange(n + 1), block_size=block_size, decode_indices=list(range(n)),
         prefill_indices=[])
+
+
+def _inside_context(shape: DecoderShape, max_model_len: int) -> DecoderShape:
+    """``shape`` without the sliding windows no sequence can outgrow (they change nothing, and the
+    fast paths take only global attention)."""
+    windows = tuple(w if w is not None and w < max_model_len else None for w in shape.layer_windows)
+    shape.layer_windows = windows if any(w is not None for w in windows) else ()
+    return shape
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

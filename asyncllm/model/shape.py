@@ -1,14 +1,17 @@
 """``DecoderShape``: the architecture facts every layer needs, read from a transformers config.
 
 Its own module, free of torch modules, so that the model, the loader and the LoRA loader all import
-it without cycles.
+it without cycles. The first block of fields is what every decoder has (sizes, heads); the second
+are the ways the families in ``model/`` differ from Llama, each with Llama's value as its default,
+so a family file says only what is different about it (``model/decoder.py`` reads them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from .registry import architecture_names
+# how a layer wires its norms around attention and MLP (model/decoder.py, DecoderLayer)
+LAYOUTS = ("pre", "sandwich", "post", "parallel")
 
 
 @dataclass
@@ -24,13 +27,36 @@ class DecoderShape:
     head_dim: int
     rms_norm_eps: float
     qkv_bias: bool
-    qk_norm: bool
+    qk_norm: bool | str  # False; "head" (one norm per head: Qwen3, Gemma 3) or "full" (over all heads: OLMo 2)
     tie_word_embeddings: bool
     architecture: str = "LlamaForCausalLM"  # the registry entry (model/registry.py) it was read for
+    # ---- how a family differs from Llama (defaults: Llama) ----
+    o_bias: bool = False                 # bias on o_proj (Llama with attention_bias)
+    mlp_bias: bool = False               # biases on gate/up/down (Llama with mlp_bias)
+    norm: str = "rms"                    # "rms", or "layer" (LayerNorm without bias: Cohere)
+    norm_offset: bool = False            # the norm scales by (1 + weight) (Gemma): folded into the weight at load
+    layout: str = "pre"                  # one of LAYOUTS
+    activation: str = "silu"             # gated MLP activation: "silu", "gelu_tanh", "gelu"
+    embedding_scale: float = 1.0         # embeddings times this (Gemma: sqrt(hidden); Granite)
+    residual_scale: float = 1.0          # attention and MLP outputs times this before the residual (Granite)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None    # tanh soft-capping of attention scores (Gemma 2)
+    final_softcap: float | None = None   # tanh soft-capping of the logits (Gemma 2)
+    logit_scale: float = 1.0             # logits times this (Cohere)
+    logit_divisor: float = 1.0           # logits divided by this (Granite's logits_scaling)
+    layer_windows: tuple = ()            # per layer: sliding-window size or None (global); () = all global
+    rope_layers: tuple = ()              # per layer: False where the layer has no rope (SmolLM3); () = all rope
 
     @classmethod
     def from_hf_config(cls, config) -> "DecoderShape":
-        model_type = getattr(config, "model_type", "")
+        """The shape of ``config``, as its family reads it (model/registry.py)."""
+        from .registry import architecture_for
+
+        return architecture_for(config).model_class().read_shape(config)
+
+    @classmethod
+    def llama_fields(cls, config, architecture: str) -> "DecoderShape":
+        """The fields every Llama-like config has, read the way Llama reads them."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
             vocab_size=config.vocab_size,
@@ -40,9 +66,30 @@ class DecoderShape:
             num_heads=config.num_attention_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            rms_norm_eps=getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_eps", 1e-6),
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
+            qk_norm=False,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            architecture=(architecture_names(config) or ["LlamaForCausalLM"])[0],
+            architecture=architecture,
         )
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def has_rope(self, layer: int) -> bool:
+        return bool(self.rope_layers[layer]) if self.rope_layers else True
+
+    @property
+    def llama_math(self) -> bool:
+        """Exactly Llama's computation (biases on q/k/v allowed): what the C decode stack implements."""
+        plain = DecoderShape(**{f.name: getattr(self, f.name) for f in fields(self)
+                                if f.name in _SIZE_FIELDS})
+        return (not self.qk_norm and all(getattr(self, f) == getattr(plain, f) for f in _FEATURE_FIELDS)
+                and not any(w is not None for w in self.layer_windows))
+
+
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "rms_norm_eps", "qkv_bias", "qk_norm", "tie_word_embeddings", "architecture")
+_FEATURE_FIELDS = ("o_bias", "mlp_bias", "norm", "norm_offset", "layout", "activation", "embedding_scale",
+                   "residual_scale", "attention_scale", "attn_softcap", "final_softcap", "logit_scale", "logit_divisor",
+                   "rope_layers")

@@ -36,7 +36,7 @@ HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                      "chat_template.jinja", "chat_template.json", "*.safetensors", "model.safetensors.index.json"]
 GGUF_INFO = "gguf_source.json"
-_GGUF_META_VERSION = "2"  # bump when the cached conversion's content changes
+_GGUF_META_VERSION = "3"  # bump when the cached conversion's content changes
 
 
 @dataclass(frozen=True)
@@ -159,11 +159,15 @@ def _convert_gguf_metadata(file: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
     except Exception as e:  # transformers raises ValueError/KeyError/... for unsupported files
         raise ModelLoadError(f"cannot read the metadata of GGUF file {file.name}: {e}") from e
+    from .gguf_weights import read_rope_freqs, read_tensor_table
+
+    table = read_tensor_table(file)
+    factors = read_rope_freqs(file, table)
+    if factors is not None:  # llama.cpp's form of llama3 rope scaling: per-frequency divisors (model/rotary.py)
+        config.rope_freq_factors = factors
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    from .gguf_weights import read_tensor_table
-
-    (out / GGUF_INFO).write_text(json.dumps({"file": str(file), **read_tensor_table(file)}))
+    (out / GGUF_INFO).write_text(json.dumps({"file": str(file), **table}))
 
 
 def gguf_tensor_table(source: ModelSource) -> dict:

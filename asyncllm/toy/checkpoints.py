@@ -22,6 +22,62 @@ from .tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, MODEL_VOCAB_SIZE, PAD_TOKEN_I
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
 EXTRA_KINDS = ("phi3",)  # built on request (fused-checkpoint families), not part of every suite
 
+# The other families, built on request: kind -> (transformers config class, model class, config arguments).
+# Windows and rope limits are small so that the tests' short sequences cross them.
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0],
+             "original_max_position_embeddings": 32}
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama_bias": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
+    "llama_dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, max_position_embeddings=32,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8)),
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "phi4_mini": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_key_value_heads=2, sliding_window=None, rope_parameters=_LONGROPE, tie_word_embeddings=True,
+        original_max_position_embeddings=32)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=False,
+        attn_logit_softcapping=30.0, final_logit_softcapping=40.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=3,
+        tie_word_embeddings=False,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}})),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        num_key_value_heads=2, embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.6,
+        logits_scaling=2.0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        num_key_value_heads=2, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, logit_scale=0.5)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(num_key_value_heads=2, attention_bias=True)),
+    # architectures without a native file: they run through transformers' modules (model/transformers_backend.py)
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, tie_word_embeddings=False)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_head=4, n_layer=2, n_positions=512, rotary_dim=8)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_embd=64, n_head=4, n_layer=2, n_positions=512,
+                                                                      multi_query=True)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, word_embed_proj_dim=64)),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(num_key_value_heads=2, sliding_window=8,
+                                                            layer_types=["sliding_attention", "full_attention"])),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(num_key_value_heads=2, sliding_window=8)),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(num_key_value_heads=2)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4, partial_rotary_factor=0.5)),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(num_key_value_heads=2)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_head=4, n_layer=2, n_positions=512)),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(num_key_value_heads=2, sliding_window=8,
+                                                           sliding_window_pattern=2)),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(num_key_value_heads=2)),
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict()),
+}
+TRANSFORMERS_BACKEND_KINDS = ("starcoder2", "gpt_neox", "gptj", "gpt_bigcode", "phi", "olmo", "gpt2", "exaone4",
+                              "nemotron", "persimmon", "opt", "cohere2", "olmo3", "ernie4_5")
+
 # Weight std for all matrices / embeddings, and the extra factor on the final
 # norm weight (= logit temperature). Chosen so greedy text is varied and the
 # top-1 logit is clearly separated (see _reinit_peaked).
@@ -96,8 +152,13 @@ def _config(kind: str, overrides: dict[str, Any]):
             sliding_window=None,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
         )
+    elif kind in FAMILIES:
+        import transformers
+
+        config_class, _, kw = FAMILIES[kind]
+        cls = getattr(transformers, config_class)
     else:
-        raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {KINDS + EXTRA_KINDS}")
+        raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {KINDS + EXTRA_KINDS + tuple(FAMILIES)}")
     args = {**_COMMON, **kw, **overrides}
     return cls(**args)
 
@@ -105,6 +166,8 @@ def _config(kind: str, overrides: dict[str, Any]):
 def _model_class(kind: str):
     import transformers
 
+    if kind in FAMILIES:
+        return getattr(transformers, FAMILIES[kind][1])
     return {
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
@@ -125,14 +188,35 @@ def _reinit_peaked(model: torch.nn.Module, seed: int, std: float, logit_scale: f
     the next-token distribution has a clear winner like a trained model's.
     """
     gen = torch.Generator().manual_seed(seed)
+    # Gemma's norms scale by (1 + weight): centre their weights on 0 so the scale is still about 1
+    norm_centre = 0.0 if getattr(model.config, "model_type", "").startswith("gemma") else 1.0
     for name, p in model.named_parameters():  # tied weights appear once
         if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            p.copy_(norm_centre + 0.1 * torch.randn(p.shape, generator=gen))
         elif name.endswith(".bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         else:
             p.copy_(std * torch.randn(p.shape, generator=gen))
-    model.model.norm.weight.mul_(logit_scale)
+    final = _final_norm(model)
+    if final is None:  # a final norm without weights (OLMo): scale the LM head instead
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    elif norm_centre == 0.0:
+        final.weight.copy_(logit_scale * (1.0 + final.weight) - 1.0)
+    else:
+        final.weight.mul_(logit_scale)
+    if final is not None and getattr(final, "bias", None) is not None:
+        final.bias.mul_(logit_scale)
+
+
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The norm before the LM head: the last norm module with weights outside the layer stack."""
+    found = None
+    for name, module in model.named_modules():
+        last = name.rpartition(".")[2]
+        if ("norm" in last or last == "ln_f") and not any(part.isdigit() for part in name.split(".")) \
+                and getattr(module, "weight", None) is not None:
+            found = module
+    return found
 
 
 def build_checkpoint(

@@ -4,8 +4,9 @@ The tests' random-weight checkpoints have no GGUF twin on any hub, so this write
 llama.cpp's converter lays it out: llama.cpp's tensor names, q/k rows permuted per head, the
 tokenizer as a ``gpt2`` BPE vocabulary with its merges, and projection weights in F32 or Q8_0.
 transformers reads the result (``from_pretrained(dir, gguf_file=...)``), which makes it the oracle
-for the engine's own GGUF loading. Only what the tests need: Llama/Mistral-style models, float32,
-default rope (rope scaling such as the toy Llama's llama3 type is not written).
+for the engine's own GGUF loading. Only what the tests need: Llama/Mistral-style models, float32;
+llama3 rope scaling is written as llama.cpp writes it, a ``rope_freqs`` tensor of per-frequency divisors
+(which transformers' GGUF reader ignores: the oracle for rope is the original checkpoint).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32", tokenizer_p
     tensors = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(file))
+    factors = llama3_rope_factors(config)
+    if factors is not None:  # as llama.cpp's converter stores llama3 scaling: a tensor, no metadata
+        writer.add_tensor("rope_freqs.weight", factors)
     kind = gguf.GGMLQuantizationType[qtype]
     for name, tensor in tensors.items():
         gguf_name, array = _gguf_tensor(name, tensor, config)
@@ -74,6 +78,25 @@ def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32", tokenizer_p
     writer.write_tensors_to_file()
     writer.close()
     return out_file
+
+
+def llama3_rope_factors(config) -> np.ndarray | None:
+    """Per rotary frequency, the divisor llama3 scaling applies (float32), or None for other rope types:
+    unchanged above the high-frequency wavelength, ``factor`` past the low-frequency one, and a
+    smooth blend between."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if params.get("rope_type", params.get("type")) != "llama3":
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original = float(params["original_max_position_embeddings"])
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelengths = 2 * np.pi / freqs
+    blend = (original / wavelengths - low) / (high - low)
+    divisors = np.where(wavelengths < original / high, 1.0,
+                        np.where(wavelengths > original / low, factor, 1.0 / ((1 - blend) / factor + blend)))
+    return divisors.astype(np.float32)
 
 
 def _gguf_tensor(name: str, tensor: torch.Tensor, config) -> tuple[str | None, np.ndarray]:

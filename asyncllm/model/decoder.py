@@ -1,0 +1,347 @@
+"""The decoder every native family shares, and the declaration each family's model class makes.
+
+A family file (``model/llama.py``, ``model/gemma2.py``, ...) subclasses :class:`DecoderModel` and
+says, in one place, what is specific to it:
+
+* ``read_shape(config)``: its :class:`DecoderShape`, i.e. the sizes plus the ways it differs from
+  Llama (norm layout, activation, multipliers, soft-capping, sliding windows, q/k norms, biases);
+* ``make_rotaries(config, shape, max_len)``: one rotary embedding per layer (or None for a layer
+  without rope), when its rope is not the config's single rope;
+* ``check_config(config)``: the variants it does not implement, refused with the config key named;
+* the declaration read by the rest of the engine: ``packed_modules`` (checkpoint projection ->
+  engine fused projection and part), ``renamed`` (checkpoint module names the engine calls
+  otherwise), ``lora_targets`` (PEFT modules adapters may touch), ``fast_paths`` (CPU decode stack,
+  CUDA graphs, tensor parallelism, LoRA) and ``gguf_architectures`` (llama.cpp names it loads).
+
+Module and parameter names follow Hugging Face's, except that q/k/v and gate/up projections are
+fused into one matmul each (``qkv_proj``, ``gate_up_proj``). Under tensor parallelism
+(``distributed/parallel.py``) each rank builds the model from its local shape, sums the
+row-parallel outputs of ``o_proj`` and ``down_proj`` with an all-reduce, and splits the vocabulary
+of the embedding and the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed.parallel import SINGLE, TensorParallel
+from ..errors import ModelLoadError
+from ..kernels.metadata import AttentionMetadata
+from ..kernels.ops import add_rms_norm, rms_norm, silu_and_mul
+from .registry import LLAMA_LORA_TARGETS, SPLIT_PROJECTIONS
+from .rotary import RotaryEmbedding, rope_parameters, rope_type_of
+from .shape import DecoderShape
+
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """Which of the engine's fast paths a family may use (each still checks the shape it is given)."""
+
+    decode_stack: bool = True     # the C decode stack (kernels/cpu_decode_stack.py), for Llama math only
+    cuda_graphs: bool = True      # decode steps replayed as CUDA graphs
+    tensor_parallel: bool = True  # heads and MLP columns split over ranks
+    lora: bool = True             # PEFT adapters on the lora_targets
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as transformers does, then cast back."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, norm(residual + x)), fused into one kernel where Triton ops are on."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm without bias, in float32 (Cohere's)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.float()
+        mean = x.mean(-1, keepdim=True)
+        variance = (x - mean).pow(2).mean(-1, keepdim=True)
+        return (self.weight.float() * ((x - mean) * torch.rsqrt(variance + self.eps))).to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = residual + x
+        return total, self(total)
+
+
+def make_norm(shape: DecoderShape, size: int) -> nn.Module:
+    return LayerNorm(size, shape.rms_norm_eps) if shape.norm == "layer" else RMSNorm(size, shape.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding | None, backend, lora=None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.lora = lora  # LoRASlots shared by all layers, or None
+        self.tp = tp
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_size = shape.num_heads * shape.head_dim
+        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_bias)
+        self.qk_norm = shape.qk_norm
+        if shape.qk_norm == "full":  # over all heads of the projection (OLMo 2)
+            self.q_norm, self.k_norm = make_norm(shape, self.q_size), make_norm(shape, self.kv_size)
+        elif shape.qk_norm:          # one norm per head (Qwen3, Gemma 3)
+            self.q_norm, self.k_norm = make_norm(shape, shape.head_dim), make_norm(shape, shape.head_dim)
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = shape.attention_scale or shape.head_dim ** -0.5
+        # only the layers that need them pass these: the backends' fast paths take neither
+        self.variant = {key: value for key, value in (("window", shape.window(layer_index)),
+                                                      ("softcap", shape.attn_softcap)) if value is not None}
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        if self.lora is not None and self.lora.groups:
+            self.lora.apply(self.layer_index, "qkv_proj", hidden, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm and self.qk_norm != "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k, meta)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale, **self.variant).view(tokens, self.q_size)
+        result = self.o_proj(out)
+        if self.lora is not None and self.lora.groups:
+            self.lora.apply(self.layer_index, "o_proj", out, result)
+        return self.tp.all_reduce(result)  # row-parallel: each rank holds a partial sum
+
+
+def _activation(name: str):
+    if name == "silu":
+        return silu_and_mul
+    if name == "gelu_tanh":
+        return lambda gate, up: F.gelu(gate, approximate="tanh") * up
+    return lambda gate, up: F.gelu(gate) * up
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: DecoderShape, layer_index: int = 0, lora=None, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.layer_index, self.lora, self.tp = layer_index, lora, tp
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+        self.act_and_mul = _activation(shape.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        lora = self.lora if self.lora is not None and self.lora.groups else None
+        if lora:
+            lora.apply(self.layer_index, "gate_up_proj", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = self.act_and_mul(gate, up)
+        out = self.down_proj(hidden)
+        if lora:
+            lora.apply(self.layer_index, "down_proj", hidden, out)
+        return self.tp.all_reduce(out)
+
+
+class DecoderLayer(nn.Module):
+    """Attention and MLP with their norms wired as ``shape.layout`` says:
+
+    * ``pre`` (Llama): ``h += attn(norm1(h)); h += mlp(norm2(h))``;
+    * ``sandwich`` (Gemma 2/3, GLM-4): each block's output is normed too before the residual add;
+    * ``post`` (OLMo 2): only the outputs are normed;
+    * ``parallel`` (Cohere): ``h += attn(norm(h)) + mlp(norm(h))``.
+    """
+
+    def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding | None, backend, lora=None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.layout, self.residual_scale = shape.layout, shape.residual_scale
+        self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp)
+        self.mlp = MLP(shape, layer_index, lora, tp)
+        size = shape.hidden_size
+        if shape.layout != "post":
+            self.input_layernorm = make_norm(shape, size)
+        if shape.layout != "parallel":
+            self.post_attention_layernorm = make_norm(shape, size)
+        if shape.layout in ("sandwich", "post"):
+            self.post_feedforward_layernorm = make_norm(shape, size)
+        if shape.layout == "sandwich":
+            self.pre_feedforward_layernorm = make_norm(shape, size)
+
+    def forward(self, positions, hidden, meta, kv_cache) -> torch.Tensor:
+        layout = self.layout
+        if layout == "pre":
+            attn = self.self_attn(positions, self.input_layernorm(hidden), meta, kv_cache)
+            if self.residual_scale != 1.0:
+                attn = attn * self.residual_scale
+            hidden, normed = self.post_attention_layernorm.add_and_norm(attn, hidden)
+            mlp = self.mlp(normed)
+            return hidden + (mlp * self.residual_scale if self.residual_scale != 1.0 else mlp)
+        if layout == "parallel":
+            normed = self.input_layernorm(hidden)
+            return hidden + self.self_attn(positions, normed, meta, kv_cache) + self.mlp(normed)
+        attn_in = self.input_layernorm(hidden) if layout == "sandwich" else hidden
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(positions, attn_in, meta, kv_cache))
+        mlp_in = self.pre_feedforward_layernorm(hidden) if layout == "sandwich" else hidden
+        return hidden + self.post_feedforward_layernorm(self.mlp(mlp_in))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """One rank's rows ``[start, start + rows)`` of the embedding table; ids outside them give zeros
+    here and their vectors come from the rank that holds them (all-reduce)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.start, rows = tp.vocab(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class DecoderModel(nn.Module):
+    """The decoder stack plus LM head. ``forward`` takes a flattened batch of tokens.
+
+    ``shape`` is the rank's local shape under tensor parallelism (``TensorParallel.local_shape``);
+    its vocabulary size stays the whole model's. ``rotaries``: one per layer (None: no rope there)."""
+
+    packed_modules: ClassVar[dict] = SPLIT_PROJECTIONS
+    renamed: ClassVar[dict[str, str]] = {}
+    lora_targets: ClassVar[tuple[str, ...]] = LLAMA_LORA_TARGETS
+    fast_paths: ClassVar[FastPaths] = FastPaths()
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    activations: ClassVar[dict[str, str]] = {"silu": "silu"}  # config hidden_act -> MLP activation
+    supported_rope_types: ClassVar[tuple[str, ...]] = _ROPE_TYPES
+    interleaved_rope: ClassVar[bool] = False
+
+    def __init__(self, shape: DecoderShape, rotaries: list[RotaryEmbedding | None], backend, lora=None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.shape, self.tp = shape, tp
+        self.rotaries = [r for i, r in enumerate(rotaries) if r is not None and r not in rotaries[:i]]
+        self.model = nn.Module()
+        rows = tp.vocab(shape.vocab_size)[1]
+        self.model.embed_tokens = (VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp) if tp.enabled
+                                   else nn.Embedding(shape.vocab_size, shape.hidden_size))
+        self.model.layers = nn.ModuleList(DecoderLayer(shape, i, rotaries[i], backend, lora, tp)
+                                          for i in range(shape.num_layers))
+        self.model.norm = make_norm(shape, shape.hidden_size)
+        if not shape.tie_word_embeddings:
+            self.lm_head = nn.Linear(shape.hidden_size, rows, bias=False)
+
+    # ---- the family's declaration (class methods: read before the model is built) ----
+
+    @classmethod
+    def read_shape(cls, config) -> DecoderShape:
+        """The family's shape of ``config`` (Llama's reading; families override and extend it)."""
+        shape = DecoderShape.llama_fields(config, cls.architecture_name(config))
+        shape.activation = cls.activations.get(cls.activation_of(config), "silu")
+        shape.o_bias = shape.qkv_bias and cls.bias_on_o_proj
+        shape.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        return shape
+
+    bias_on_o_proj: ClassVar[bool] = True  # attention_bias covers o_proj too (Llama); Qwen2 sets q/k/v only
+
+    @classmethod
+    def architecture_name(cls, config) -> str:
+        from .registry import architecture_names
+
+        return (architecture_names(config) or [cls.__name__])[0]
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Raise ModelLoadError naming the config key of a variant this family does not implement."""
+        act = cls.activation_of(config)
+        if act not in cls.activations:
+            raise ModelLoadError(f"{cls.__name__}: activation {act!r} (config key hidden_act) is not supported; "
+                                 f"supported: {', '.join(cls.activations)}")
+        for layer_type in cls.rope_layer_types(config):
+            rope_type = rope_type_of(rope_parameters(config, layer_type))
+            if rope_type not in cls.supported_rope_types:
+                raise ModelLoadError(f"{cls.__name__}: rope type {rope_type!r} (config key rope_parameters.rope_type)"
+                                     f" is not supported; supported: {', '.join(cls.supported_rope_types)}")
+
+    @classmethod
+    def activation_of(cls, config) -> str:
+        """The config's activation name (the key families read it from differs)."""
+        return getattr(config, "hidden_act", None) or "silu"
+
+    @classmethod
+    def rope_layer_types(cls, config) -> list[str | None]:
+        return [None]
+
+    @classmethod
+    def make_rotaries(cls, config, shape: DecoderShape, max_positions: int) -> list[RotaryEmbedding | None]:
+        """One rotary embedding shared by every layer that has rope."""
+        rotary = RotaryEmbedding.from_config(config, shape.head_dim, max_positions, interleaved=cls.interleaved_rope)
+        return [rotary if shape.has_rope(i) else None for i in range(shape.num_layers)]
+
+    @classmethod
+    def prepare_weight(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as the engine's parameter takes it (Gemma folds its norms' +1 here)."""
+        return tensor
+
+    # ---- the forward pass ----
+
+    def build_rotaries(self, device: torch.device, dtype: torch.dtype) -> None:
+        for rotary in self.rotaries:
+            rotary.build(device, dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        return hidden * self.shape.embedding_scale if self.shape.embedding_scale != 1.0 else hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """[tokens] ids and positions -> [tokens, hidden] final hidden states."""
+        hidden = self.embed(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(positions, hidden, meta, kv_cache)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = getattr(self, "lm_head", None)  # tied models get one only when the CPU path packs it
+        logits = head(hidden) if head is not None else nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        if self.tp.enabled:  # each rank scored its vocabulary rows: put them side by side, drop the padding
+            logits = self.tp.gather_columns(logits)[:, :self.shape.vocab_size]
+        return self.finish_logits(logits)
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Family-specific scaling of the logits (Cohere's scale, Granite's divisor, Gemma 2's soft cap)."""
+        s = self.shape
+        if s.logit_scale != 1.0:
+            logits = logits * s.logit_scale
+        if s.logit_divisor != 1.0:
+            logits = logits / s.logit_divisor
+        if s.final_softcap is not None:
+            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
+        return logits

@@ -1,0 +1,143 @@
+"""The native model families beyond Llama: greedy output equal to transformers token for token.
+
+Each kind is a tiny random-weight checkpoint built with transformers' own classes
+(asyncllm/toy/checkpoints.py, FAMILIES). Prompts run past the checkpoints' small sliding windows
+(8 tokens), longrope's original context (32) and dynamic rope's limit (32), so those code paths
+decide tokens here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from asyncllm import LLM, AsyncLLM, SamplingParams
+from asyncllm.model.registry import architecture_for
+from checkpoints import load_reference_model, reference_greedy
+
+FAMILY_KINDS = ["llama_bias", "mistral_window", "qwen2_window", "phi4_mini", "gemma", "gemma2", "gemma3",
+                "granite", "olmo2", "smollm3", "cohere", "glm4", "llama_dynamic"]
+PROMPT_LENGTHS = [1, 5, 9, 17, 40]
+NEW_TOKENS = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+_references: dict[str, list[list[int]]] = {}
+
+
+def prompts(kind: str) -> list[list[int]]:
+    rng = random.Random(kind)
+    return [[rng.randrange(5, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def reference(kind: str, model_dir) -> list[list[int]]:
+    """transformers' greedy continuations, a fresh model per prompt: its dynamic rope keeps state
+    between calls (a later, shorter prompt would reuse an earlier one's frequencies)."""
+    if kind not in _references:
+        _references[kind] = [reference_greedy(model_dir, [p], NEW_TOKENS, model=load_reference_model(model_dir))[0]
+                             for p in prompts(kind)]
+    return _references[kind]
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_family_greedy_equals_transformers(kind, model_dir_factory):
+    model_dir = model_dir_factory(kind)
+    expected = reference(kind, model_dir)
+    assert len(set(expected[-1])) > 5  # the checkpoint says varied things: a real check, not a repeated token
+    for engine_kwargs in ({}, {"block_size": 4, "max_num_batched_tokens": 16}):  # whole and chunked prefill
+        llm = LLM(str(model_dir), dtype="float32", **engine_kwargs)
+        assert llm.engine.runner.architecture.native
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)]
+        assert got == expected, engine_kwargs
+        assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "glm4"])
+def test_family_streams_equal_transformers(kind, model_dir_factory):
+    model_dir = model_dir_factory(kind)
+
+    async def run():
+        async with AsyncLLM(str(model_dir), dtype="float32") as llm:
+            async def one(prompt):
+                tokens = []
+                async for out in llm.stream_outputs(prompt, GREEDY):
+                    tokens.extend(out.outputs[0].token_ids)  # each output is the step's delta
+                return tokens
+            return await asyncio.gather(*(one(p) for p in prompts(kind)))
+
+    assert asyncio.run(run()) == reference(kind, model_dir)
+
+
+def test_torch_reference_backend_runs_windows_and_soft_caps(model_dir_factory):
+    model_dir = model_dir_factory("gemma2")
+    llm = LLM(str(model_dir), dtype="float32", attention_backend="torch")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts("gemma2"), GREEDY)] == reference("gemma2", model_dir)
+
+
+def test_prefix_cache_hit_inside_a_window_stays_exact(model_dir_factory):
+    """A second request sharing a 40-token prefix reuses its cached blocks (windowed layers read only
+    the blocks inside their window) and still equals transformers."""
+    model_dir = model_dir_factory("mistral_window")
+    llm = LLM(str(model_dir), dtype="float32", block_size=4)
+    first = prompts("mistral_window")[-1]
+    llm.generate([first], GREEDY)
+    second = first + [7, 8, 9]
+    (out,) = llm.generate([second], GREEDY)
+    assert out.metrics.num_cached_tokens >= 36
+    expected = reference_greedy(model_dir, [second], NEW_TOKENS, model=load_reference_model(model_dir))[0]
+    assert out.outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "glm4", "granite", "llama_bias"])
+def test_fast_paths_off_where_the_family_differs_from_llama(kind, model_dir_factory):
+    """The C decode stack computes Llama's layers only: these families run the module path."""
+    llm = LLM(str(model_dir_factory(kind)), dtype="float32")
+    assert llm.engine.runner.decode_stack is None
+
+
+def test_families_are_declared_by_their_classes(model_dir_factory):
+    from transformers import AutoConfig
+
+    glm = architecture_for(AutoConfig.from_pretrained(model_dir_factory("glm4")))
+    cls = glm.model_class()
+    assert set(glm.fused) == {"q_proj", "k_proj", "v_proj"}  # gate_up_proj is fused in its checkpoints
+    assert cls.renamed["post_mlp_layernorm"] == "post_feedforward_layernorm"
+    olmo = architecture_for(AutoConfig.from_pretrained(model_dir_factory("olmo2"))).model_class()
+    assert not olmo.fast_paths.tensor_parallel
+
+
+@pytest.mark.parametrize("kind", ["phi4_mini", "llama_dynamic"])
+def test_length_dependent_rope_keeps_prefix_cache_hits_exact(kind, model_dir_factory):
+    """A long prompt after a short one with the same first tokens: the short prompt's KV was rotated
+    for a short sequence, so the long one must not reuse it (their cache keys differ), and both stay
+    equal to transformers."""
+    model_dir = model_dir_factory(kind)
+    llm = LLM(str(model_dir), dtype="float32", block_size=4)
+    long_prompt = prompts(kind)[-1]          # 40 tokens: past the 32-token limit of both checkpoints
+    short_prompt = long_prompt[:20]
+    runner = llm.engine.runner
+    assert runner.rope_cache_key(len(short_prompt)) != runner.rope_cache_key(len(long_prompt))
+    (short_out,) = llm.generate([short_prompt], GREEDY)
+    (long_out,) = llm.generate([long_prompt], GREEDY)
+    assert long_out.metrics.num_cached_tokens == 0
+    fresh = [reference_greedy(model_dir, [p], NEW_TOKENS, model=load_reference_model(model_dir))[0]
+             for p in (short_prompt, long_prompt)]
+    assert [short_out.outputs[0].token_ids, long_out.outputs[0].token_ids] == fresh
+
+
+@pytest.mark.parametrize("kind", ["llama_bias", "gemma2", "glm4"])
+def test_family_tp2_greedy_equals_transformers(kind, model_dir_factory):
+    """Two CPU ranks (gloo): row-parallel biases kept once (Llama with biases), windows and soft caps on
+    each rank's heads (Gemma 2), a checkpoint-fused gate/up and half-width interleaved rope (GLM-4)."""
+    model_dir = model_dir_factory(kind)
+    with LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, block_size=4,
+             kv_cache_memory=4 << 20) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)]
+    assert got == reference(kind, model_dir)
+
+
+def test_a_family_that_cannot_split_says_so(model_dir_factory):
+    from asyncllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="Olmo2ForCausalLM runs on one device only"):
+        LLM(str(model_dir_factory("olmo2")), dtype="float32", tensor_parallel_size=2)

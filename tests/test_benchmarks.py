@@ -333,3 +333,16 @@ def test_w_gpu_smoke_runs_asyncllm_and_the_transformers_peer(tmp_path):
     assert report["asyncllm"]["tokens_per_s"] > 0 and report["asyncllm"]["length_mismatches"] == 0
     peer = report["hf_continuous_batching"]
     assert peer["tokens"] > 0 and peer["config_fields_missing"] == []  # 5.24 has every field asked for
+
+
+def test_w_impl_tiny(model_dirs, tmp_path):
+    """W-IMPL at its tiny size: both implementations run the same checkpoint to the same tokens."""
+    from benchmarks import w_impl
+
+    out = tmp_path / "w_impl.json"
+    report = w_impl.main(["--model", str(model_dirs["llama"]), *w_impl.SIZES["tiny"], "--json", str(out)])
+    assert report["identical_outputs"] is True
+    assert report["native"]["tokens"] == report["transformers"]["tokens"] == 2 * 4
+    assert report["throughput_ratio"] == pytest.approx(
+        report["transformers"]["tokens_per_s"] / report["native"]["tokens_per_s"], rel=1e-2)
+    assert json.loads(out.read_text())["benchmark"] == "W-IMPL"

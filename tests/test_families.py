@@ -141,3 +141,27 @@ def test_a_family_that_cannot_split_says_so(model_dir_factory):
 
     with pytest.raises(ConfigError, match="Olmo2ForCausalLM runs on one device only"):
         LLM(str(model_dir_factory("olmo2")), dtype="float32", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("kind,targets", [("gemma2", ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]),
+                                          ("glm4", ["q_proj", "k_proj", "o_proj", "down_proj"])])
+def test_family_lora_equals_peft_merged(kind, targets, model_dir_factory, tmp_path):
+    """PEFT adapters on the families' own module names ride the engine's fused projections."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model_dir = model_dir_factory(kind)
+    torch.manual_seed(7)
+    peft_model = get_peft_model(load_reference_model(model_dir), LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name:
+                param.mul_(3.0)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=peft_model.merge_and_unload())
+    assert expected != reference(kind, model_dir)
+    llm = LLM(str(model_dir), dtype="float32", block_size=4)
+    llm.add_lora("a", str(tmp_path / "adapter"))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY, lora="a")] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)] == reference(kind, model_dir)

@@ -55,7 +55,7 @@ def test_version_and_ping(llm):
 
 def test_serve_allowed_origins_flag():
     from asyncllm.cli import build_parser
-    from asyncllm.server.serve import _origins
+    from asyncllm.server.serve_spec import _origins
 
     args = build_parser().parse_args(["serve", "m", "--allowed-origins", "https://a.example,https://b.example",
                                       "--allowed-origins", "http://localhost:3000"])
@@ -230,11 +230,11 @@ def test_truncate_prompt_tokens_keeps_the_end(llm):
 
 def test_serve_exposes_the_engine_arguments(tmp_path):
     from asyncllm.cli import build_parser
-    from asyncllm.server.serve import _engine_extras, _read_template
+    from asyncllm.server.serve_spec import engine_extras, _read_template
 
     parse = lambda *flags: build_parser().parse_args(["serve", "m", *flags])  # noqa: E731
-    assert _engine_extras(parse()) == {}  # nothing given: the engine's defaults
-    extras = _engine_extras(parse("--block-size", "32", "--no-enable-prefix-caching", "--max-loras", "2",
+    assert engine_extras(parse()) == {}  # nothing given: the engine's defaults
+    extras = engine_extras(parse("--block-size", "32", "--no-enable-prefix-caching", "--max-loras", "2",
                                   "--max-lora-rank", "16", "--max-cpu-loras", "4", "--attention-backend", "torch",
                                   "--no-enable-cuda-graphs", "--seed", "7", "--tensor-parallel-size", "1"))
     assert extras == {"block_size": 32, "enable_prefix_caching": False, "max_loras": 2, "max_lora_rank": 16,

@@ -1,4 +1,4 @@
-"""The model runner works from a plain step record (engine/step_input.py), never the engine's
+"""The model runner works from a plain step record (model/step_io.py), never the engine's
 Sequence objects: a record survives pickling (as it would crossing to another process) and gives
 the same logits, equal to transformers' next-token logits."""
 
@@ -9,7 +9,7 @@ import pickle
 import torch
 
 from asyncllm import LLM
-from asyncllm.engine.step_input import StepInput
+from asyncllm.model.step_io import StepInput
 from checkpoints import load_reference_model
 
 
@@ -20,8 +20,8 @@ def test_runner_from_a_plain_record(model_dirs):
     step = StepInput(token_ids=[t for p in prompts for t in p], start_positions=[0, 0], num_new_tokens=[6, 3],
                      block_tables=[[0, 1], [2]], logit_rows=[5, 8])
     copy = pickle.loads(pickle.dumps(step))
-    logits = runner.execute(step)
-    assert torch.equal(logits, runner.execute(copy))  # the KV it writes is the same: same result
+    logits = runner.execute(step).logits
+    assert torch.equal(logits, runner.execute(copy).logits)  # the KV it writes is the same: same result
     reference = load_reference_model(model_dirs["llama"])
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
@@ -32,7 +32,7 @@ def test_runner_from_a_plain_record(model_dirs):
                        block_tables=[[0, 1]], logit_rows=[0])
     with torch.no_grad():
         expected = reference(torch.tensor([prompts[0] + decode.token_ids])).logits[0, -1]
-    torch.testing.assert_close(runner.execute(decode)[0], expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.execute(decode).logits[0], expected, rtol=1e-4, atol=1e-4)
 
 
 class _Seq:  # what BlockTableRows reads of a sequence

@@ -125,7 +125,9 @@ def _init_group(backend: str, init_method: str, rank: int, size: int,
 class WorkerGroup:
     """Rank 0's side: starts the local workers, broadcasts steps, stops them."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, hf_config, max_model_len: int) -> None:
+        """``hf_config``/``max_model_len``: the model's configuration as rank 0 resolved it, handed to
+        every rank (none reads it again)."""
         global _active_group
         import torch.distributed as dist
 
@@ -149,7 +151,7 @@ class WorkerGroup:
             logger.info("tensor parallelism: waiting for %d ranks at %s", self.size, init_method)
             _init_group(distributed_backend(config), init_method, 0, self.size, self.processes)
             _active_group = self
-            self._broadcast(("config", config))
+            self._broadcast(("config", (config, hf_config, max_model_len)))
         except BaseException:
             self._kill()
             torch.set_num_threads(self._host_threads)
@@ -306,8 +308,6 @@ def receive_value():
 def run_worker(rank: int, size: int, local_rank: int, init_method: str, backend: str, threads: int | None) -> None:
     """One worker rank: join the group, take rank 0's engine arguments, load the shard, then run
     every step rank 0 broadcasts until told to stop."""
-    from ..engine.stopping import resolve_max_model_len
-    from ..model.loader import load_hf_config
     from ..model.runner import ModelRunner
     from ..model.source import resolve_model_source
 
@@ -316,13 +316,14 @@ def run_worker(rank: int, size: int, local_rank: int, init_method: str, backend:
     if backend == "nccl":  # NCCL binds a rank to the current device: make it this rank's GPU first
         torch.cuda.set_device(local_rank)
     _init_group(backend, init_method, rank, size)
-    config = _receive_expected("config")  # rank 0's engine arguments: every rank runs the same engine
+    # rank 0's engine arguments and its resolved model configuration: every rank runs the same engine
+    config, hf_config, max_model_len = _receive_expected("config")
     if backend == "nccl":
         config = dataclasses.replace(config, device=f"cuda:{local_rank}")
     source = resolve_model_source(config.model, config.revision, config.hf_token)
-    hf_config = load_hf_config(source.root, config.model_impl)
-    runner = ModelRunner(config, hf_config, source, resolve_max_model_len(config, hf_config),
-                         tp=TensorParallel(rank, config.tensor_parallel_size))
+    runner = ModelRunner(config, hf_config, source, max_model_len,
+                         tp=TensorParallel(rank, config.tensor_parallel_size),
+                         agree_num_blocks=lambda _own_count: receive_value())  # rank 0 decides
     adapters: dict[int, Any] = {}
     while True:
         message = _receive()

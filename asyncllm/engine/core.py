@@ -20,7 +20,6 @@ from ..config import EngineConfig
 from ..kernels.transfer import to_device
 from ..model.loader import load_hf_config
 from ..model.source import resolve_model_source
-from ..model.runner import ModelRunner
 from ..model.sampler import SamplingRow, prompt_logprobs, sample
 from ..structured import prefetch_masks
 from .beam_search import BeamGroup
@@ -32,7 +31,8 @@ from .scheduler import ScheduledBatch, Scheduler
 from .step_budget import StepBudget
 from .step_time import StepFeatures, StepTimeModel, calibrate
 from .block_tables import BlockTableRows
-from .step_input import StepInput
+from .executor import Executor
+from .step_input import step_input_of
 from .stopping import StopChecker, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class EngineCore:
         self.model_dir = root  # config, tokenizer and generation config files
         self.hf_config = load_hf_config(root, config.model_impl)
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
-        self.runner = ModelRunner(config, self.hf_config, self.source, self.max_model_len)
+        self.runner = Executor(config, self.hf_config, self.source, self.max_model_len)
         self.vocab_size = self.runner.shape.vocab_size
         self.token_budget = config.max_num_batched_tokens or self.runner.platform.default_token_budget
         # the step-time model outlives resets: it describes the machine and the model, not the requests
@@ -233,7 +233,8 @@ class EngineCore:
     def _run(self, batch: ScheduledBatch) -> list[SequenceOutput]:
         rows, plans, pools, pool_rows = self._plan_logits(batch)
         self._prefetch_grammar_masks(batch, plans)
-        logits = self.runner.execute(StepInput.from_batch(batch, rows, self.block_table_rows, pool_rows))
+        result = self.runner.execute(step_input_of(batch, rows, self.block_table_rows, pool_rows))
+        logits = result.logits
         prompt_lps: dict[int, list[dict[int, float]]] = {}
         to_sample: list[tuple[Sequence, int, int]] = []  # (sequence, first logits row, drafts verified)
         to_rank: list[tuple[Sequence, int]] = []
@@ -261,7 +262,7 @@ class EngineCore:
         if to_rank:
             outputs.extend(self._step_beams(logits, to_rank))
         if pools:
-            outputs.extend(self._pool(self.runner.pooled, pools))
+            outputs.extend(self._pool(result.pooled, pools))
         for seq in batch.seqs:  # prompt chunks that sampled nothing still report their logprobs
             if id(seq) in prompt_lps:
                 outputs.append(SequenceOutput(seq.request_id, seq.index, [], [], None, prompt_lps.pop(id(seq)),

@@ -28,7 +28,7 @@ from .block_pool import BlockPool
 from .kv_cache import blocks_for
 from .request import Sequence
 from .speculation import Proposer, SpeculativeConfig
-from .step_input import StepInput
+from ..model.step_io import StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class DraftModelProposer(Proposer):
         step = StepInput(token_ids=token_ids, start_positions=starts, num_new_tokens=counts,
                          block_tables=[table for table, _, _ in rows], logit_rows=logit_rows,
                          loras=[None] * len(rows))
-        return self.runner.execute(step).argmax(dim=-1).tolist()
+        return self.runner.execute(step).logits.argmax(dim=-1).tolist()
 
     def _keep_accepted(self, seq: Sequence, state: _DraftState) -> None:
         """Draft KV written for drafts that were accepted is valid: count it as computed."""

@@ -23,13 +23,9 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from ..model.runner import ModelRunner
-    from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +48,9 @@ class StepFeatures:
         return np.array([1.0, self.tokens, self.decode_context, self.prefill_pairs])
 
     @classmethod
-    def of_batch(cls, batch: "ScheduledBatch") -> "StepFeatures":
-        """The features of a scheduled batch (read before the step advances its sequences)."""
+    def of_batch(cls, batch: Any) -> "StepFeatures":
+        """The features of a scheduled batch (its ``seqs`` and ``num_new_tokens``; read before the step
+        advances its sequences). Typed loosely: the scheduler imports this module, not the reverse."""
         tokens = context = 0
         pairs = 0.0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -171,13 +168,13 @@ def calibration_steps(max_tokens: int, num_blocks: int, block_size: int, max_seq
     return steps
 
 
-def calibrate(model: StepTimeModel, runner: "ModelRunner", max_tokens: int, max_seqs: int, max_model_len: int,
+def calibrate(model: StepTimeModel, runner: Any, max_tokens: int, max_seqs: int, max_model_len: int,
               repeats: int = 2) -> None:
     """Time a few dummy steps on ``runner`` (fastest of ``repeats`` runs each) and fit ``model``.
 
     The steps write KV into blocks that no sequence holds yet (the engine has not started), so
     nothing is disturbed: a block's slots are always written before they are read."""
-    from .step_input import StepInput
+    from ..model.step_io import StepInput
 
     block_size, num_blocks = runner.block_size, runner.num_blocks
     points = []
@@ -199,7 +196,7 @@ def calibrate(model: StepTimeModel, runner: "ModelRunner", max_tokens: int, max_
         best = math.inf
         for _ in range(repeats):
             begin = time.perf_counter()
-            logits = runner.execute(step)
+            logits = runner.execute(step).logits
             logits.argmax(dim=-1).tolist()  # the step's end: the sampler reads the logits back
             best = min(best, time.perf_counter() - begin)
         context = sum(s + 1 for s, n in zip(starts, lengths) if n == 1)

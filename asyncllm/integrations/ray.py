@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Iterable
 from ..errors import ConfigError
 from ..server.errors import APIError
 from ..server.limits import DEFAULT_MAX_BODY_BYTES, read_body
-from ..server.serve import ServeSpec
+from ..server.serve_spec import ServeSpec
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from ..adapters.slots import LoRASlots
 from ..config import EngineConfig
 from ..distributed.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from ..distributed.sharding import Sharding
-from ..engine.step_input import StepInput
 from ..errors import ConfigError, ModelLoadError
 from ..kernels.cpu_attention import CpuAttentionBackend
 from ..kernels.cpu_decode_stack import MAX_CHAINED_ROWS, DecodeStack
@@ -31,6 +30,7 @@ from ..platform import Platform, decide_platform
 from .loader import load_weights
 from .quantization import WeightFormat, decide_weight_format, finish_int8, make_int8_slots
 from .source import ModelSource, gguf_linear_types
+from .step_io import StepInput, StepOutput
 from .registry import architecture_for
 from .shape import DecoderShape
 
@@ -54,31 +54,32 @@ def build_attention_backend(platform: Platform, shape: DecoderShape):
 class ModelRunner:
     """Owns the model weights and the paged KV cache tensors.
 
-    With ``tensor_parallel_size > 1`` the engine's runner is rank 0: it starts the other ranks
-    (``distributed/workers.py``) and sends them every step; a worker's runner is built with its
-    ``tp`` and only executes. ``shape`` is always the whole model's; each rank holds its shard."""
+    Under tensor parallelism every rank has one, built with its ``tp``; the processes themselves
+    (starting them, sending each step) are the executor's (engine/executor.py). ``shape`` is
+    always the whole model's; each rank holds its shard."""
 
     def __init__(self, config: EngineConfig, hf_config, source: ModelSource | Path, max_model_len: int,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, agree_num_blocks=None) -> None:
+        """``tp``: this rank's place under tensor parallelism; ``agree_num_blocks``: how the ranks settle
+        on one KV-cache size (called with a function computing this rank's; engine/executor.py)."""
         self.architecture = architecture_for(hf_config, config.model_impl)
         self.model_class = self.architecture.model_class()
-        self.shape = _inside_context(self.model_class.read_shape(hf_config), max_model_len)
-        if config.tensor_parallel_size > 1 and not self.model_class.fast_paths.tensor_parallel:
-            raise ConfigError(f"tensor_parallel_size={config.tensor_parallel_size}: {self.architecture.name} "
-                              "runs on one device only (docs/models.md)")
-        check_tensor_parallel(self.shape, config.tensor_parallel_size)
-        self.workers = None
-        if tp is None and config.tensor_parallel_size > 1:
-            from ..distributed.workers import WorkerGroup
-
-            self.workers = WorkerGroup(config)
-            tp = self.workers.tp
+        self.shape = self.check(config, hf_config, max_model_len)
         self.tp = tp or SINGLE
-        try:
-            self._build(config, hf_config, source, max_model_len)
-        except BaseException:
-            self.shutdown()
-            raise
+        self._agree = agree_num_blocks
+        self._build(config, hf_config, source, max_model_len)
+
+    @staticmethod
+    def check(config: EngineConfig, hf_config, max_model_len: int) -> DecoderShape:
+        """The model's shape, or ConfigError/ModelLoadError for what this engine cannot run (before any
+        process is started)."""
+        model_class = architecture_for(hf_config, config.model_impl).model_class()
+        shape = _inside_context(model_class.read_shape(hf_config), max_model_len)
+        if config.tensor_parallel_size > 1 and not model_class.fast_paths.tensor_parallel:
+            raise ConfigError(f"tensor_parallel_size={config.tensor_parallel_size}: {shape.architecture} "
+                              "runs on one device only (docs/models.md)")
+        check_tensor_parallel(shape, config.tensor_parallel_size)
+        return shape
 
     def _build(self, config: EngineConfig, hf_config, source: ModelSource | Path, max_model_len: int) -> None:
         self.platform = decide_platform(config, hf_config)
@@ -103,7 +104,6 @@ class ModelRunner:
         if not self.weight_format.int8 and self.platform.packed_linears:
             self._pack_cpu_linears()
         self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
-        self.pooled: torch.Tensor | None = None  # hidden states of the last step's pool_rows (execute)
 
     def _load_native(self, config: EngineConfig, hf_config, source: ModelSource, max_model_len: int) -> None:
         """The family's model built on the meta device, then filled tensor by tensor (model/loader.py)."""
@@ -154,23 +154,9 @@ class ModelRunner:
         return keys or None
 
     def _agree_num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
-        """Rank 0 sizes the KV cache and tells the other ranks (every rank needs the same count)."""
-        if self.tp.rank > 0:
-            from ..distributed.workers import receive_value
-
-            return receive_value()
-        num_blocks = self._count_blocks(config, max_model_len)
-        return self.workers.share(num_blocks) if self.workers is not None else num_blocks
-
-    @property
-    def healthy(self) -> bool:
-        """False once a tensor-parallel worker is gone: the engine cannot go on without it."""
-        return self.workers is None or self.workers.healthy
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do otherwise). Safe to call twice."""
-        if self.workers is not None:
-            self.workers.close()
+        """This rank's KV-cache size, or the size the ranks agree on (every rank needs the same count)."""
+        count = lambda: self._count_blocks(config, max_model_len)  # noqa: E731
+        return self._agree(count) if self._agree is not None else count()
 
     @property
     def cpu_fast_path(self) -> bool:
@@ -222,31 +208,20 @@ class ModelRunner:
         return [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
                 for _ in range(s.num_layers)]
 
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """Run one step; return logits ([len(step.logit_rows), vocab], float32) of the chosen flat positions.
-
-        The final hidden states (after the last norm) of ``step.pool_rows`` are left in ``self.pooled``
-        ([len(pool_rows), hidden], float32) for embeddings. Under tensor parallelism rank 0 first
-        sends the step to the other ranks, which run it alongside."""
-        if self.workers is None:
-            return self._execute(step)
-        with self.workers.step(step):
-            return self._execute(step)
-
     @torch.inference_mode()
-    def _execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step: the logits ([len(step.logit_rows), vocab], float32) of the chosen flat positions,
+        and the final hidden states (after the last norm) of ``step.pool_rows`` for embeddings."""
         self._copy_blocks(step.block_copies)
         self._prepare_lora(step)
         input_ids, positions, meta, gathers = self._prepare(step)
         hidden = self._forward(input_ids, positions, meta)
-        self.pooled = None
-        if step.pool_rows:
-            self.pooled = hidden[gathers.pool_index].float()
+        pooled = hidden[gathers.pool_index].float() if step.pool_rows else None
         if not step.logit_rows:  # a step of embedding prompts only: no LM head
-            return torch.empty(0, self.shape.vocab_size, device=self.device)
+            return StepOutput(torch.empty(0, self.shape.vocab_size, device=self.device), pooled)
         if gathers.logit_index is not None:
             hidden = hidden[gathers.logit_index]
-        return self.model.compute_logits(hidden).float()
+        return StepOutput(self.model.compute_logits(hidden).float(), pooled)
 
     def _prepare_lora(self, step: StepInput) -> None:
         """Slot the step's adapters and group its tokens by slot (no adapters: nothing to do)."""

@@ -1,0 +1,49 @@
+"""The records that cross the engine/model seam: ``StepInput`` (one step's work) and ``StepOutput``.
+
+The engine builds a ``StepInput`` from the scheduler's batch (engine/core.py); the model runner reads
+only it, never the engine's live ``Sequence`` objects, and answers with a ``StepOutput``. Both are
+plain data (lists, integers, the adapters' weights, tensors), so a record can describe a step to
+another process (tensor parallelism's rank-0-to-workers broadcast), and this module imports nothing
+of the engine or the model: either side imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepInput:
+    """What the model computes in one step. Sequence ``i`` contributes ``num_new_tokens[i]`` tokens,
+    starting at position ``start_positions[i]``; its KV blocks are ``block_tables[i]`` or, from the
+    engine, row ``table_rows[i]`` of the runner's buffer once ``table_updates`` are applied."""
+
+    token_ids: list[int]                      # the new tokens of every sequence, flattened in batch order
+    start_positions: list[int]                # per sequence: the position of its first new token
+    num_new_tokens: list[int]                 # per sequence
+    block_tables: list[list[int]] | None      # per sequence: its KV blocks, in order; or None, and then:
+    logit_rows: list[int]                     # flat token positions whose logits are returned
+    table_rows: list[int] | None = None       # per sequence: its row in the runner's block-table buffer
+    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, start, blocks)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, done first
+    loras: list[Any] = field(default_factory=list)      # per sequence: its adapter's weights, or None
+    loras_in_use: set[int] = field(default_factory=set)  # adapter ids of every running sequence
+    pool_rows: list[int] = field(default_factory=list)  # flat positions whose final hidden states are kept
+    prompt_lens: list[int] | None = None  # per sequence: its prompt's length (length-dependent rope reads it)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_new_tokens)
+
+
+@dataclass
+class StepOutput:
+    """What the model returns for a step: the logits of ``StepInput.logit_rows`` ([rows, vocab], float32)
+    and the final hidden states of ``StepInput.pool_rows`` ([rows, hidden], float32; None when there
+    are none). Sampling is the engine's: it reads the logits (model/sampler.py)."""
+
+    logits: torch.Tensor
+    pooled: torch.Tensor | None = None

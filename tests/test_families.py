@@ -165,3 +165,31 @@ def test_family_lora_equals_peft_merged(kind, targets, model_dir_factory, tmp_pa
     llm.add_lora("a", str(tmp_path / "adapter"))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY, lora="a")] == expected
     assert [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)] == reference(kind, model_dir)
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma2"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_path):
+    """A GGUF file written as llama.cpp's converter writes the family (Phi-3's fused attn_qkv/ffn_up,
+    Gemma 2's four norms stored as 1 + w, its soft caps and window as metadata) equals transformers on
+    the original checkpoint; for Q8_0, on the original with every projection rounded through Q8_0 by
+    gguf's own quantizer. (transformers' GGUF loader is no oracle here: it drops Gemma 2's untied head.)"""
+    import gguf as gguf_package
+    import torch
+    from asyncllm.toy.gguf_export import export_gguf
+
+    model_dir = model_dir_factory(kind)
+    file = export_gguf(model_dir, tmp_path / f"{kind}-{qtype}.gguf", qtype)
+    llm = LLM(str(file), dtype="float32")
+    assert llm.engine.runner.architecture.native and llm.engine.runner.weight_format.int8 == (qtype == "Q8_0")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)]
+    model = load_reference_model(model_dir)
+    if qtype == "Q8_0":
+        kind_q8 = gguf_package.GGMLQuantizationType.Q8_0
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() == 2:  # projections, the head and the embedding (the exporter quantizes it too)
+                    packed = gguf_package.quants.quantize(param.numpy(), kind_q8)
+                    param.copy_(torch.from_numpy(gguf_package.quants.dequantize(packed, kind_q8)).reshape(param.shape))
+    expected = [reference_greedy(model_dir, [p], NEW_TOKENS, model=model)[0] for p in prompts(kind)]
+    assert got == expected

@@ -238,7 +238,8 @@ class DecoderModel(nn.Module):
     renamed: ClassVar[dict[str, str]] = {}
     lora_targets: ClassVar[tuple[str, ...]] = LLAMA_LORA_TARGETS
     fast_paths: ClassVar[FastPaths] = FastPaths()
-    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()  # llama.cpp architecture names of its GGUF files
+    gguf_names: ClassVar[dict[str, str]] = {}  # GGUF per-layer tensor names that differ from Llama's -> module
     activations: ClassVar[dict[str, str]] = {"silu": "silu"}  # config hidden_act -> MLP activation
     supported_rope_types: ClassVar[tuple[str, ...]] = _ROPE_TYPES
     interleaved_rope: ClassVar[bool] = False
@@ -306,7 +307,7 @@ class DecoderModel(nn.Module):
         return [rotary if shape.has_rope(i) else None for i in range(shape.num_layers)]
 
     @classmethod
-    def prepare_weight(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def prepare_weight(cls, name: str, tensor: torch.Tensor, from_gguf: bool = False) -> torch.Tensor:
         """A checkpoint tensor as the engine's parameter takes it (Gemma folds its norms' +1 here)."""
         return tensor
 

@@ -20,7 +20,7 @@ GELU = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gel
 
 class GemmaForCausalLM(DecoderModel):
     activations = GELU
-    gguf_architectures = ()  # llama.cpp's converter folds the +1 into its norms: not mapped yet
+    gguf_architectures = ()  # transformers' GGUF reader (the metadata conversion) has no "gemma"
     fast_paths = FastPaths(decode_stack=False)
 
     @classmethod
@@ -32,11 +32,16 @@ class GemmaForCausalLM(DecoderModel):
 
 
     @classmethod
-    def prepare_weight(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.float() + 1.0 if name.endswith("norm.weight") else tensor
+    def prepare_weight(cls, name: str, tensor: torch.Tensor, from_gguf: bool = False) -> torch.Tensor:
+        # llama.cpp's converter stores these norms with the +1 added already
+        return tensor.float() + 1.0 if name.endswith("norm.weight") and not from_gguf else tensor
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
+    gguf_architectures = ("gemma2",)
+    gguf_names = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                  "post_ffw_norm": "post_feedforward_layernorm"}
+
     @classmethod
     def activation_of(cls, config) -> str:
         return getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"

@@ -15,6 +15,8 @@ _TYPES = ("sliding_attention", "full_attention")
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    gguf_architectures = ()  # its per-layer-type rope is not in what transformers reads from GGUF metadata
+
     @classmethod
     def read_shape(cls, config) -> DecoderShape:
         shape = super().read_shape(config)

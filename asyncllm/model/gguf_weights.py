@@ -34,8 +34,12 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# GGUF architectures whose tensors this module maps; only "llama" files carry permuted q/k rows
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF architectures whose tensors this module maps (each family declares its own: gguf_architectures);
+# only "llama" files carry permuted q/k rows
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
+# scalar metadata read beside the tensor table, under "<architecture>."
+_CONFIG_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "rope.dimension_count",
+                  "attention.sliding_window", "attention.key_length")
 
 
 @dataclass
@@ -60,15 +64,17 @@ class QuantizedRows:
         return dequantize_weight(self.qweight, self.scales)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor (None for tensors the engine does not use)."""
+def hf_name(gguf_name: str, renamed: dict[str, str] | None = None) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor (None for tensors the engine does not use);
+    ``renamed``: the family's per-layer names where they differ from Llama's (``gguf_names`` of its class)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_LAYER_NAMES, **(renamed or {})}
     match = _LAYER_PATTERN.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         return None
     layer, kind, param = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{param}"
+    return f"model.layers.{layer}.{names[kind]}.{param}"
 
 
 def unpermute_rows(rows: int, num_heads: int) -> np.ndarray:
@@ -94,7 +100,13 @@ def read_tensor_table(file: Path) -> dict:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(file))
-    return {"architecture": gguf_architecture(reader),
+    arch = gguf_architecture(reader)
+    fields = {}
+    for key in _CONFIG_FIELDS:  # metadata transformers' GGUF reader leaves out (model/source.py applies it)
+        field = reader.get_field(f"{arch}.{key}")
+        if field is not None and field.data:
+            fields[key] = float(field.parts[field.data[0]][0])
+    return {"architecture": arch, "fields": fields,
             "tensors": [{"name": t.name, "type": t.tensor_type.name, "shape": list(t.data.shape),
                          "dtype": t.data.dtype.str, "offset": int(t.data_offset)} for t in reader.tensors]}
 
@@ -118,8 +130,9 @@ def linear_quant_types(table: dict) -> set[str]:
             if len(t["shape"]) == 2 and t["name"].startswith("blk.") and t["name"].endswith(".weight")}
 
 
-def iter_gguf_tensors(file: Path, table: dict, num_heads: int, num_kv_heads: int, keep_q8_0: bool
-                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+def iter_gguf_tensors(file: Path, table: dict, num_heads: int, num_kv_heads: int, keep_q8_0: bool,
+                      architectures: tuple[str, ...] = SUPPORTED_GGUF_ARCHITECTURES,
+                      renamed: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """Every tensor of ``file`` the engine uses, as (Hugging Face name, float32 tensor or QuantizedRows).
 
     ``table`` is :func:`read_tensor_table`'s. ``keep_q8_0``: Q8_0 projection weights come out as
@@ -128,11 +141,11 @@ def iter_gguf_tensors(file: Path, table: dict, num_heads: int, num_kv_heads: int
     from gguf import GGMLQuantizationType, dequantize
 
     arch = table["architecture"]
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: "
-                             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)})")
+    if arch not in architectures:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported for this model (supported: "
+                             f"{', '.join(architectures)})")
     for entry in table["tensors"]:
-        name = hf_name(entry["name"])
+        name = hf_name(entry["name"], renamed)
         if name is None:
             continue
         qtype = GGMLQuantizationType[entry["type"]]

@@ -89,7 +89,7 @@ def checkpoint_tensors(model, source: ModelSource, keep_q8_0: bool = False,
 
     shape = shape or model.shape
     return iter_gguf_tensors(source.gguf_file, gguf_tensor_table(source), shape.num_heads, shape.num_kv_heads,
-                             keep_q8_0)
+                             keep_q8_0, type(model).gguf_architectures, type(model).gguf_names)
 
 
 def load_weights(model, source: ModelSource | Path, arch: Architecture, keep_q8_0: bool = False,
@@ -105,7 +105,7 @@ def load_weights(model, source: ModelSource | Path, arch: Architecture, keep_q8_
     filled: set[str] = set()
     shape = sharding.shape if sharding is not None else None
     for name, tensor in checkpoint_tensors(model, source, keep_q8_0, shape):
-        target = _copy_tensor(model, targets, name, tensor, arch.fused, sharding)
+        target = _copy_tensor(model, targets, name, tensor, arch.fused, sharding, source.is_gguf)
         if target:
             filled.add(target)
     missing = sorted(_expected_pieces(targets, arch.fused) - filled)
@@ -130,12 +130,13 @@ def _renamed(name: str, renames: dict[str, str]) -> str:
     return ".".join(renames.get(part, part) for part in name.split("."))
 
 
-def _copy_tensor(model, params: dict, name: str, tensor, fused_map: dict, sharding=None) -> str | None:
+def _copy_tensor(model, params: dict, name: str, tensor, fused_map: dict, sharding=None,
+                 from_gguf: bool = False) -> str | None:
     if "rotary_emb" in name or (name == "lm_head.weight" and model.shape.tie_word_embeddings):
         return None
     name = _renamed(name, getattr(model, "renamed", {}))
     if isinstance(tensor, torch.Tensor):
-        tensor = model.prepare_weight(name, tensor)
+        tensor = model.prepare_weight(name, tensor, from_gguf)
     for hf_name, (fused, part) in fused_map.items():
         if f".{hf_name}." in name:
             target = name.replace(hf_name, fused)

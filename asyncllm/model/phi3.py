@@ -17,6 +17,7 @@ class Phi3ForCausalLM(DecoderModel):
     packed_modules = {}
     lora_targets = ()  # PEFT adapters for Phi-3 target the fused modules, which the slots do not split
     gguf_architectures = ("phi3",)
+    gguf_names = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # stored fused, as the engine
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:

@@ -36,7 +36,7 @@ HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                      "chat_template.jinja", "chat_template.json", "*.safetensors", "model.safetensors.index.json"]
 GGUF_INFO = "gguf_source.json"
-_GGUF_META_VERSION = "3"  # bump when the cached conversion's content changes
+_GGUF_META_VERSION = "4"  # bump when the cached conversion's content changes
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,30 @@ def _convert_gguf_metadata(file: Path, out: Path) -> None:
     factors = read_rope_freqs(file, table)
     if factors is not None:  # llama.cpp's form of llama3 rope scaling: per-frequency divisors (model/rotary.py)
         config.rope_freq_factors = factors
+    _apply_missing_metadata(config, table.get("fields", {}))
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / GGUF_INFO).write_text(json.dumps({"file": str(file), **table}))
+
+
+def _apply_missing_metadata(config, fields: dict) -> None:
+    """What transformers' GGUF reader does not take from the metadata: Gemma 2's soft caps and softmax
+    scale, a partial rotary dimension, a sliding window."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if key in fields and hasattr(config, key):
+            setattr(config, key, fields[key])
+    if "attention.sliding_window" in fields and hasattr(config, "sliding_window"):
+        config.sliding_window = int(fields["attention.sliding_window"])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if getattr(config, "model_type", "") == "gemma2" and "attention.key_length" in fields:
+        # GGUF has no query_pre_attn_scalar; llama.cpp scales by the head size, and by hidden / heads for
+        # the 27B model (46 layers of 4608), which is what its checkpoint's value is
+        big = config.num_hidden_layers == 46 and config.hidden_size == 4608
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big \
+            else int(fields["attention.key_length"])
+    rotary = int(fields.get("rope.dimension_count", head_dim))
+    if rotary != head_dim and isinstance(getattr(config, "rope_parameters", None), dict):
+        config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": rotary / head_dim}
 
 
 def gguf_tensor_table(source: ModelSource) -> dict:

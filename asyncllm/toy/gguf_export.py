@@ -1,7 +1,8 @@
-"""Write a Llama-architecture Hugging Face checkpoint as a GGUF file, for tests (``gguf``'s writer).
+"""Write a Hugging Face checkpoint (Llama, Mistral, Phi-3, Gemma 2) as a GGUF file, for tests (``gguf``'s writer).
 
 The tests' random-weight checkpoints have no GGUF twin on any hub, so this writes one the way
-llama.cpp's converter lays it out: llama.cpp's tensor names, q/k rows permuted per head, the
+llama.cpp's converter lays it out: llama.cpp's tensor names (Phi-3's fused ``attn_qkv``/``ffn_up``, Gemma 2's
+four norms stored as ``1 + w``), q/k rows permuted per head for the ``llama`` architecture, the
 tokenizer as a ``gpt2`` BPE vocabulary with its merges, and projection weights in F32 or Q8_0.
 transformers reads the result (``from_pretrained(dir, gguf_file=...)``), which makes it the oracle
 for the engine's own GGUF loading. Only what the tests need: Llama/Mistral-style models, float32;
@@ -21,6 +22,14 @@ _LAYER_TENSORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "f
                   "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                   "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                   "mlp.down_proj": "ffn_down"}
+# model_type -> (llama.cpp architecture, per-layer names that differ from Llama's, norms stored as 1 + w)
+_ARCHITECTURES = {
+    "llama": ("llama", {}, False), "mistral": ("llama", {}, False),
+    "phi3": ("phi3", {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}, False),
+    "gemma2": ("gemma2", {"post_attention_layernorm": "post_attention_norm",
+                          "pre_feedforward_layernorm": "ffn_norm",
+                          "post_feedforward_layernorm": "post_ffw_norm"}, True),
+}
 
 
 def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -42,7 +51,10 @@ def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32", tokenizer_p
     model_dir, out_file = Path(model_dir), Path(out_file)
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    writer = gguf.GGUFWriter(str(out_file), "llama")
+    if config.model_type not in _ARCHITECTURES:
+        raise ValueError(f"no GGUF export for model_type {config.model_type!r} (have: {', '.join(_ARCHITECTURES)})")
+    arch, _, _ = _ARCHITECTURES[config.model_type]
+    writer = gguf.GGUFWriter(str(out_file), arch)
     writer.add_name(model_dir.name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -53,7 +65,16 @@ def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32", tokenizer_p
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None)
                                     or config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    writer.add_rope_dimension_count(int(head_dim * float(params.get("partial_rotary_factor", 1.0) or 1.0)))
+    if arch == "gemma2":  # what llama.cpp's converter writes for Gemma 2
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(int(config.sliding_window))
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(writer, tokenizer, config.vocab_size, tokenizer_pre)
@@ -100,7 +121,10 @@ def llama3_rope_factors(config) -> np.ndarray | None:
 
 
 def _gguf_tensor(name: str, tensor: torch.Tensor, config) -> tuple[str | None, np.ndarray]:
+    arch, renamed, norm_plus_one = _ARCHITECTURES[config.model_type]
     array = tensor.float().numpy()
+    if norm_plus_one and name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w) norms folded
+        array = array + 1.0
     if name == "model.embed_tokens.weight":
         return "token_embd.weight", array
     if name == "model.norm.weight":
@@ -109,13 +133,14 @@ def _gguf_tensor(name: str, tensor: torch.Tensor, config) -> tuple[str | None, n
         return (None if config.tie_word_embeddings else "output.weight"), array
     parts = name.split(".")  # model.layers.N.<module path>.weight
     layer, module = parts[2], ".".join(parts[3:-1])
-    if module not in _LAYER_TENSORS:
+    names = {**_LAYER_TENSORS, **renamed}
+    if module not in names:
         return None, array
-    if module == "self_attn.q_proj":
+    if arch == "llama" and module == "self_attn.q_proj":
         array = permute_rows(array, config.num_attention_heads)
-    elif module == "self_attn.k_proj":
+    elif arch == "llama" and module == "self_attn.k_proj":
         array = permute_rows(array, config.num_key_value_heads)
-    return f"blk.{layer}.{_LAYER_TENSORS[module]}.{parts[-1]}", np.ascontiguousarray(array)
+    return f"blk.{layer}.{names[module]}.{parts[-1]}", np.ascontiguousarray(array)
 
 
 def _add_tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:

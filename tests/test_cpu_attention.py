@@ -153,3 +153,22 @@ def test_same_shape_prefill_chunks_in_one_call_equal_one_call_each():
         backend._prefill(i, batch.query, k_cache, v_cache, meta, 32 ** -0.5, one_by_one)
     prefill_rows = [r for i in meta.prefill_indices for r in range(meta.query_start[i], meta.query_start[i + 1])]
     torch.testing.assert_close(grouped[prefill_rows], one_by_one[prefill_rows], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (9, 1.5), (3, None)])
+def test_decode_kernel_window_and_soft_cap_equal_the_reference(window, softcap):
+    """The C decode kernel's sliding window (only the blocks inside it read; a window starting inside
+    a block hides that block's earlier keys) and soft-capped scores, against the torch reference."""
+    from asyncllm.kernels.cpu_attention import CpuAttentionBackend
+    from asyncllm.kernels.torch_attention import windowed_attention
+    from kernel_cases import paged_batch
+
+    batch = paged_batch([(0, 1), (37, 1), (3, 1), (70, 1), (13, 9)], 4, 2, 32, 4, torch.float32, seed=5)
+    backend = CpuAttentionBackend()
+    meta = batch.meta()
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    backend.write_kv(batch.key, batch.value, k_cache, v_cache, meta)
+    query = batch.query.contiguous() * 4
+    out = backend.forward(query, k_cache, v_cache, meta, 32 ** -0.5, window=window, softcap=softcap)
+    ref = windowed_attention(query, k_cache, v_cache, batch.meta(), 32 ** -0.5, window, softcap)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

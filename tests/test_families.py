@@ -68,9 +68,14 @@ def test_family_streams_equal_transformers(kind, model_dir_factory):
     assert asyncio.run(run()) == reference(kind, model_dir)
 
 
-def test_torch_reference_backend_runs_windows_and_soft_caps(model_dir_factory):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_attention_backend_runs_windows_and_soft_caps(backend, model_dir_factory):
+    """Gemma 2 (alternating 8-token windows, capped scores) on the torch reference and on the Triton
+    kernel (its interpreter on CPU; the default CPU backend is test_family_greedy_equals_transformers)."""
+    from kernel_cases import DEVICE
+
     model_dir = model_dir_factory("gemma2")
-    llm = LLM(str(model_dir), dtype="float32", attention_backend="torch")
+    llm = LLM(str(model_dir), dtype="float32", attention_backend=backend, device=str(DEVICE), block_size=4)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts("gemma2"), GREEDY)] == reference("gemma2", model_dir)
 
 

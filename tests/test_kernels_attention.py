@@ -93,3 +93,28 @@ def test_static_plan_with_padding_rows():
     ref = reference_attention(real_batch, k_cache, v_cache, 32 ** -0.5)
     torch.testing.assert_close(out[:2], ref, atol=2e-5, rtol=2e-5)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (12, 1.5)],
+                         ids=["window5", "softcap2", "window12-softcap1.5"])
+@pytest.mark.parametrize("tuning", [SMALL, AttentionTuning(min_split_tokens=16, num_sms=1)],
+                         ids=["splits-small-tiles", "one-split"])
+def test_sliding_window_and_soft_cap_equal_the_reference(window, softcap, tuning):
+    """Gemma 2's attention variants in the kernel: a window shorter than most sequences (decodes,
+    prefills, chunks and prefix hits, split or not) and tanh-capped scores, against the reference."""
+    from asyncllm.kernels.torch_attention import windowed_attention
+
+    batch = paged_batch(MIXED + [(300, 1)], 4, 2, 32, 4, torch.float32, seed=3)
+    heads, kv_heads = batch.query.shape[1], batch.k_cache.shape[2]
+    backend = TritonAttentionBackend(heads, kv_heads, tuning)
+    meta = batch.meta()
+    backend.prepare(meta)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    backend.write_kv(batch.key, batch.value, k_cache, v_cache, meta)
+    scale = 32 ** -0.5
+    query = batch.query * 4  # large scores, so the cap bites
+    out = backend.forward(query, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    ref = windowed_attention(query.float(), k_cache.float(), v_cache.float(), batch.meta(), scale, window, softcap)
+    torch.testing.assert_close(out.float(), ref, atol=1e-4, rtol=1e-4)
+    plain = backend.forward(query, k_cache, v_cache, meta, scale)
+    assert not torch.allclose(plain, out, atol=1e-3)  # the variant changed the result

@@ -30,7 +30,8 @@ class _Decodes:
 
 
 _PAGED_DECODE = (("paged_decode_f32", (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                                        _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_int),
+                                        _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_int, _i64,
+                                        ctypes.c_float),
                    ctypes.c_int),)
 
 
@@ -45,7 +46,7 @@ def cpu_kernels_available() -> bool:
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, scale: float,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> None:
     """Attention of one query token per decoding sequence over its cached keys/values, written into ``out``.
 
     query/out: [tokens, heads, head_dim] float32 (rows ``rows`` are read/written); caches:
@@ -71,7 +72,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim, query.shape[1],
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
-        seqs.data_ptr(), rows.numel(), scale, torch.get_num_threads())
+        seqs.data_ptr(), rows.numel(), scale, torch.get_num_threads(), int(window or 0), float(softcap or 0.0))
     if failed == 2:
         raise ValueError("a decoding sequence is empty or longer than its block table covers")
     if failed:
@@ -93,14 +94,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
-        if window is not None or softcap is not None:  # the C kernel has neither: the reference runs them
-            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap)
         output = torch.empty_like(query)
         if meta.backend_state is None:
             self.prepare(meta)
         decodes = meta.backend_state
         if decodes.rows.numel():
             paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, decodes.rows,
-                         decodes.seqs, scale, output)
-        self.run_prefills(decodes.prefills, query, k_cache, v_cache, meta, scale, output)
+                         decodes.seqs, scale, output, window, softcap)
+        if window is not None or softcap is not None:  # prefill chunks of such layers: the reference
+            windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap, meta.prefill_indices, output)
+        else:
+            self.run_prefills(decodes.prefills, query, k_cache, v_cache, meta, scale, output)
         return output

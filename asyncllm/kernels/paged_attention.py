@@ -37,10 +37,13 @@ def _dot(a, b, IEEE_DOT: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, q_pos, m_i, l_i, acc, keys, kv_end, table, k_head, v_head, stride_kb, stride_ks, stride_vb,
-                 stride_vs, dims, dim_ok, scale_log2, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr,
-                 IEEE_DOT: tl.constexpr):
+                 stride_vs, dims, dim_ok, scale_log2, window, softcap, BLOCK_SIZE: tl.constexpr,
+                 UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr):
     """One step of the online softmax: the rows' scores against key positions ``keys``, found
-    through the block table; returns the updated (running max, running sum, unnormalised output)."""
+    through the block table; returns the updated (running max, running sum, unnormalised output).
+    ``HAS_WINDOW``: a row sees only the last ``window`` positions up to its own; ``HAS_SOFTCAP``:
+    scores pass through ``softcap * tanh(score / softcap)`` before the softmax."""
     key_ok = keys < kv_end
     block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = keys % BLOCK_SIZE
@@ -52,7 +55,14 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, keys, kv_end, table, k_head, v_head, s
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = _dot(q, k, IEEE_DOT) * scale_log2
-    s = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))
+    if HAS_SOFTCAP:  # in the exp2 domain: log2(e) * cap * tanh(raw / cap), raw = s / log2(e)
+        x = s / (softcap * 1.4426950408889634)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        s = tanh * (softcap * 1.4426950408889634)
+    visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (keys[None, :] > q_pos[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps max -inf; 0 as its reference gives exp2 -> 0, not NaN.
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -68,13 +78,13 @@ def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr, qblock_seq_ptr, qblock_start_ptr,
-    scale_log2,
+    scale_log2, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,8 +112,11 @@ def _paged_attention_kernel(
     # The block's last query bounds the keys it can see; this program takes its share of those tiles.
     kv_end = tl.minimum(seq_len, context + first_query + BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    first_tile = 0
+    if HAS_WINDOW:  # the block's first query sees nothing before its window: skip those tiles
+        first_tile = tl.maximum(context + first_query - window + 1, 0) // TILE_N
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -115,7 +128,8 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, tile * TILE_N + tl.arange(0, TILE_N), kv_end, table,
                                      k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_ok,
-                                     scale_log2, BLOCK_SIZE, UPCAST, IEEE_DOT)
+                                     scale_log2, window, softcap, BLOCK_SIZE, UPCAST, IEEE_DOT, HAS_WINDOW,
+                                     HAS_SOFTCAP)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -179,13 +193,16 @@ def split_buffers(num_qblocks: int, num_kv_heads: int, num_splits: int, block_m:
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     qblock_seq: torch.Tensor, qblock_start: torch.Tensor, scale: float, *, block_m: int,
-                    tile_n: int, num_splits: int = 1, partials: tuple | None = None, num_warps: int = 4) -> None:
+                    tile_n: int, num_splits: int = 1, partials: tuple | None = None, num_warps: int = 4,
+                    window: int | None = None, softcap: float | None = None) -> None:
     """Attention of the query blocks listed in ``qblock_seq``/``qblock_start`` into ``out``.
 
     query/out: [tokens, heads, head_dim] (last dim contiguous); caches: [blocks, block_size,
     kv_heads, head_dim]; block_tables [seqs, max_blocks]; seq_lens [seqs]; query_start [seqs+1];
     qblock_seq/qblock_start [query blocks]: each block's sequence and first query index in it.
-    ``partials`` (from :func:`split_buffers`) is required when ``num_splits > 1``.
+    ``partials`` (from :func:`split_buffers`) is required when ``num_splits > 1``. ``window``: each
+    query sees only the last ``window`` positions (itself included); ``softcap``: tanh soft-capping of
+    the scores (Gemma 2). Either compiles its own specialisation; without them the kernel is unchanged.
     """
     num_qblocks = qblock_seq.numel()
     if num_qblocks == 0:
@@ -201,10 +218,12 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     _paged_attention_kernel[(num_qblocks, kv_heads, num_splits)](
         out, part_out, part_m, part_l, query, k_cache, v_cache,
         block_tables, seq_lens, query_start, qblock_seq, qblock_start, scale * _LOG2E,
+        int(window or 0), float(softcap or 0.0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        TILE_N=tile_n, NUM_SPLITS=num_splits, **meta, **dot_flags(query.dtype), num_warps=num_warps)
+        TILE_N=tile_n, NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        **meta, **dot_flags(query.dtype), num_warps=num_warps)
     if num_splits > 1:
         meta.pop("BLOCK_SIZE")
         _merge_splits_kernel[(num_qblocks, kv_heads)](

@@ -187,14 +187,16 @@ class TorchAttentionBackend:
 
 
 def windowed_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                       scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                       scale: float, window: int | None, softcap: float | None, sequences: list[int] | None = None,
+                       output: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention with a sliding window and/or soft-capped scores, one sequence at a time: the
-    reference for those layers (Gemma 2/3, Mistral and Qwen2 windows), and what every backend runs
-    for them. A window also bounds the keys read: only the blocks inside it are gathered."""
-    output = torch.empty_like(query)
+    reference for those layers (Gemma 2/3, Mistral and Qwen2 windows), and the prefill path of the
+    CPU backend for them. A window also bounds the keys read: only the blocks inside it are gathered.
+    ``sequences``: only these (default: all), written into ``output`` (default: a new tensor)."""
+    output = torch.empty_like(query) if output is None else output
     kv_heads, dim = k_cache.shape[-2:]
     heads = query.shape[1]
-    for i in range(meta.num_seqs):
+    for i in (range(meta.num_seqs) if sequences is None else sequences):
         start, end = meta.query_start[i], meta.query_start[i + 1]
         if end == start:
             continue

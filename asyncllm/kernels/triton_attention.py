@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache_write import write_kv_cache
-from .torch_attention import windowed_attention
 from .metadata import AttentionMetadata
 from .paged_attention import paged_attention, split_buffers
 from .transfer import stage, to_device
@@ -128,19 +127,16 @@ class TritonAttentionBackend:
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
-        """query: [tokens, heads, head_dim] -> output of the same shape (contiguous). Windowed or
-        soft-capped layers run the torch reference (torch_attention.windowed_attention): the kernel
-        has neither yet (docs/models.md)."""
-        if window is not None or softcap is not None:
-            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap)
+        """query: [tokens, heads, head_dim] -> output of the same shape (contiguous). ``window`` and
+        ``softcap`` (sliding-window and soft-capped layers) are the kernel's own specialisations."""
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.backend_state is None:
             self.prepare(meta)
         for launch in meta.backend_state.launches:
-            self._run(launch, output, query, k_cache, v_cache, meta, scale)
+            self._run(launch, output, query, k_cache, v_cache, meta, scale, window, softcap)
         return output
 
-    def _run(self, launch: _Launch, output, query, k_cache, v_cache, meta, scale) -> None:
+    def _run(self, launch: _Launch, output, query, k_cache, v_cache, meta, scale, window=None, softcap=None) -> None:
         if launch.num_splits > 1 and launch.partials is None:
             launch.partials = split_buffers(launch.qblock_seq.numel(), self.num_kv_heads, launch.num_splits,
                                             launch.block_m, k_cache.shape[3], query.device)
@@ -150,4 +146,4 @@ class TritonAttentionBackend:
         paged_attention(output, query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor,
                         meta.query_start_tensor, launch.qblock_seq, launch.qblock_start, scale,
                         block_m=launch.block_m, tile_n=max(16, tile_n), num_splits=launch.num_splits,
-                        partials=launch.partials)
+                        partials=launch.partials, window=window, softcap=softcap)

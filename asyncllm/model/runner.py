@@ -245,9 +245,8 @@ class ModelRunner:
     def _capture_cuda_graphs(self, config: EngineConfig, max_model_len: int) -> DecodeGraphs | None:
         if not self.platform.cuda_graphs or not self.model_class.fast_paths.cuda_graphs:
             return None
-        if (self.shape.layer_windows or self.shape.attn_softcap is not None
-                or any(r.dynamic is not None for r in getattr(self.model, "rotaries", ()))):
-            logger.info("CUDA graphs off: windowed or soft-capped attention, or dynamic rope, plans on the host")
+        if any(r.dynamic is not None for r in getattr(self.model, "rotaries", ())):
+            logger.info("CUDA graphs off: dynamic NTK rope computes each step's frequencies on the host")
             return None
         with self._on_device(), triton_ops(True):
             graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, config.max_num_seqs, max_model_len,

@@ -442,7 +442,8 @@ static void attend(const layer_t *L, const float *qkv_row, float *out_row, int64
                    const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t D, float scale, float *scores) {
     const float *q = qkv_row + kvh * per_kv * D, *k = L->k_cache + kvh * D, *v = L->v_cache + kvh * D;
     float *out = out_row + kvh * per_kv * D;
-#define ATTEND(DIM) decode_item(q, D, out, D, k, v, table, n, block_size, kv_heads * D, DIM, per_kv, 1, scale, scores)
+#define ATTEND(DIM) decode_item(q, D, out, D, k, v, table, n, block_size, kv_heads * D, DIM, per_kv, 1, scale, scores, \
+                                0, 0.0f)
     switch (D) { /* the common head sizes get unrolled copies */
         case 64: ATTEND(64); break;
         case 128: ATTEND(128); break;

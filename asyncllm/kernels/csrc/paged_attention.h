@@ -57,11 +57,15 @@ static inline int64_t block_tokens(int64_t start, int64_t len, int64_t block_siz
 /* One work item: a decode's query heads that share KV heads [kv0, kv0 + nkv). Always inlined into
  * call sites with a constant head_dim, so the compiler unrolls the dot products.
  * Rows of query head qh = (kv0 + j) * group + g go to scores[(j * group + g) * len + t]; the
- * heads' outputs are accumulated in acc[(j * group + g) * head_dim + i]. */
+ * heads' outputs are accumulated in acc[(j * group + g) * head_dim + i].
+ * `hidden`: the first keys the query may not see (a sliding window that starts inside the first
+ * block; the caller starts `table` at the window's first block); `softcap` > 0: scores become
+ * softcap * tanh(score / softcap) (Gemma 2). Both 0 for plain attention. */
 static inline __attribute__((always_inline)) void decode_item(
         const float *q, int64_t q_head_stride, float *out, int64_t out_head_stride,
         const float *k_base, const float *v_base, const int64_t *table, int64_t len, int64_t block_size,
-        int64_t token_stride, const int64_t head_dim, int64_t group, int64_t nkv, float scale, float *scores) {
+        int64_t token_stride, const int64_t head_dim, int64_t group, int64_t nkv, float scale, float *scores,
+        int64_t hidden, float softcap) {
     const int64_t rows = nkv * group;
     float *acc = scores + rows * len;
     /* Block by block (no division per token); within a block the tokens' KV heads are contiguous,
@@ -81,9 +85,12 @@ static inline __attribute__((always_inline)) void decode_item(
     }
     for (int64_t r = 0; r < rows; r++) {
         float *s = scores + r * len;
-        float max = s[0];
+        if (softcap > 0.0f)
+            for (int64_t t = 0; t < len; t++) s[t] = softcap * tanhf(s[t] / softcap);
+        for (int64_t t = 0; t < hidden; t++) s[t] = -INFINITY;  /* exp gives 0: outside the window */
+        float max = s[hidden];
 #pragma omp simd reduction(max : max)
-        for (int64_t t = 1; t < len; t++) max = s[t] > max ? s[t] : max;
+        for (int64_t t = hidden + 1; t < len; t++) max = s[t] > max ? s[t] : max;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) {

@@ -19,14 +19,16 @@
 #include "scratch.h"
 
 /* Returns 0 on success, 1 if scratch memory could not be allocated, 2 if a sequence is longer than
- * its block table row covers (table_width * block_size tokens). */
+ * its block table row covers (table_width * block_size tokens). `window` > 0: each query sees only
+ * the last `window` positions (a sliding-window layer), and only the blocks holding them are read;
+ * `softcap` > 0: tanh soft-capping of the scores. */
 int paged_decode_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride,
                      float *out, int64_t out_tok_stride, int64_t out_head_stride,
                      const float *k_cache, const float *v_cache, int64_t block_size,
                      int64_t num_kv_heads, int64_t head_dim, int64_t num_heads,
                      const int64_t *block_tables, int64_t table_stride, int64_t table_width, const int64_t *seq_lens,
                      const int64_t *rows, const int64_t *seqs, int64_t num_decodes,
-                     float scale, int num_threads) {
+                     float scale, int num_threads, int64_t window, float softcap) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;  /* between consecutive cache slots */
     /* Whole decodes per work item when there are enough of them to keep every thread busy
@@ -40,15 +42,18 @@ int paged_decode_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t item = 0; item < num_decodes * per_decode; item++) {
         const int64_t d = item / per_decode, kv0 = (item % per_decode) * nkv;
-        const int64_t row = rows[d], seq = seqs[d], len = seq_lens[seq];
+        const int64_t row = rows[d], seq = seqs[d], full_len = seq_lens[seq];
+        /* a window: start at the block holding its first key, and hide that block's earlier keys */
+        const int64_t first = window > 0 && full_len > window ? full_len - window : 0;
+        const int64_t skipped = first - first % block_size, hidden = first - skipped, len = full_len - skipped;
         float *scores = scratch_floats((size_t)(nkv * group * (len + head_dim)));
         if (!scores) { failed = 1; continue; }
         const float *qh = q + row * q_tok_stride + kv0 * group * q_head_stride;
         float *oh = out + row * out_tok_stride + kv0 * group * out_head_stride;
         const float *k_base = k_cache + kv0 * head_dim, *v_base = v_cache + kv0 * head_dim;
-        const int64_t *table = block_tables + seq * table_stride;
+        const int64_t *table = block_tables + seq * table_stride + skipped / block_size;
 #define DECODE_ITEM(D) decode_item(qh, q_head_stride, oh, out_head_stride, k_base, v_base, table, len, \
-                                   block_size, token_stride, D, group, nkv, scale, scores)
+                                   block_size, token_stride, D, group, nkv, scale, scores, hidden, softcap)
         switch (head_dim) {  /* the common head sizes get unrolled copies */
             case 64: DECODE_ITEM(64); break;
             case 128: DECODE_ITEM(128); break;

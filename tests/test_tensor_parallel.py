@@ -20,7 +20,6 @@ import torch
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.distributed.parallel import TensorParallel, check_tensor_parallel
-from asyncllm.distributed.sharding import Sharding
 from asyncllm.errors import ConfigError, EngineDeadError
 from asyncllm.model.gguf_weights import QuantizedRows
 from asyncllm.model.shape import DecoderShape
@@ -39,46 +38,85 @@ def _shape(heads=8, kv=2, vocab=103) -> DecoderShape:
 
 @pytest.mark.parametrize("size,kv", [(2, 2), (4, 2), (4, 1), (2, 4)])
 def test_shards_put_back_together_equal_the_checkpoint(size, kv):
-    """Every rank's cut of every kind of tensor, reassembled, is the whole tensor (KV heads
-    replicated when there are fewer than ranks; vocabulary padded on the last rank)."""
+    """Every rank's layers, loaded from whole checkpoint tensors, put back together are the checkpoint
+    (KV heads replicated when there are fewer than ranks; vocabulary padded on the last rank; the
+    row-parallel bias on rank 0 only)."""
+    from asyncllm.model.decoder import VocabParallelEmbedding
+    from asyncllm.model.layers import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                       VocabParallelLMHead)
+
     shape = _shape(kv=kv)
-    q, kvs, inter = shape.num_heads * 2, kv * 2, shape.intermediate_size
+    q, kvs, inter, hd = shape.num_heads * 2, kv * 2, shape.intermediate_size, shape.head_dim
     full = {"q": torch.randn(q, 16), "k": torch.randn(kvs, 16), "v": torch.randn(kvs, 16),
-            "o": torch.randn(16, q), "down": torch.randn(16, inter), "gate": torch.randn(inter, 16),
+            "o": torch.randn(16, q), "o_bias": torch.randn(16), "down": torch.randn(16, inter),
+            "gate": torch.randn(inter, 16), "up": torch.randn(inter, 16),
             "embed": torch.randn(shape.vocab_size, 16), "bias": torch.randn(q + 2 * kvs)}
     fused_qkv = torch.cat([full["q"], full["k"], full["v"]])
-    cuts = [Sharding(TensorParallel(r, size), shape) for r in range(size)]
-    assert torch.equal(torch.cat([c.shard("l.qkv_proj.weight", "q", full["q"]) for c in cuts]), full["q"])
-    assert torch.equal(torch.cat([c.shard("l.o_proj.weight", None, full["o"]) for c in cuts], 1), full["o"])
-    assert torch.equal(torch.cat([c.shard("l.down_proj.weight", None, full["down"]) for c in cuts], 1), full["down"])
-    assert torch.equal(torch.cat([c.shard("l.gate_up_proj.weight", 0, full["gate"]) for c in cuts]), full["gate"])
-    embed = torch.cat([c.shard("model.embed_tokens.weight", None, full["embed"]) for c in cuts])
-    assert embed.shape[0] == -(-shape.vocab_size // size) * size
-    assert torch.equal(embed[:shape.vocab_size], full["embed"]) and not embed[shape.vocab_size:].any()
-    for rank, cut in enumerate(cuts):
-        k = cut.shard("l.qkv_proj.weight", "k", full["k"])
-        first, count = TensorParallel(rank, size).kv_heads(kv)
-        assert torch.equal(k, full["k"][first * 2:(first + count) * 2])
-        # a checkpoint storing qkv fused (Phi-3) is cut into the same pieces
-        whole = cut.shard("l.qkv_proj.weight", None, fused_qkv)
-        pieces = [cut.shard("l.qkv_proj.weight", p, full[p]) for p in "qkv"]
-        assert torch.equal(whole, torch.cat(pieces))
-        bias = cut.shard("l.qkv_proj.bias", None, full["bias"])
-        assert bias.shape[0] == whole.shape[0]
+    ranks = [TensorParallel(r, size) for r in range(size)]
+    qkv, fused, o, gate_up, down, embed, head = [], [], [], [], [], [], []
+    for tp in ranks:
+        layer = QKVParallelLinear(16, shape.num_heads, kv, hd, True, tp)
+        for p in "qkv":
+            layer.weight_loader("weight", full[p], p, f"{p}_proj.weight")
+        layer.weight_loader("bias", full["bias"], None, "qkv_proj.bias")  # biases stored fused too (Phi-3)
+        qkv.append(layer)
+        stored_fused = QKVParallelLinear(16, shape.num_heads, kv, hd, False, tp)
+        stored_fused.weight_loader("weight", fused_qkv, None, "qkv_proj.weight")
+        fused.append(stored_fused)
+        share = tp.split(shape.num_heads)
+        row = RowParallelLinear(q // size, 16, True, (share[0] * hd, share[1] * hd), tp)
+        row.weight_loader("weight", full["o"], None, "o_proj.weight")
+        row.weight_loader("bias", full["o_bias"], None, "o_proj.bias")
+        o.append(row)
+        merged = MergedColumnParallelLinear(16, [inter, inter], False, tp)
+        merged.weight_loader("weight", full["gate"], 0, "gate_proj.weight")
+        merged.weight_loader("weight", full["up"], 1, "up_proj.weight")
+        gate_up.append(merged)
+        d = RowParallelLinear(inter // size, 16, False, tp.split(inter), tp)
+        d.weight_loader("weight", full["down"], None, "down_proj.weight")
+        down.append(d)
+        e = VocabParallelEmbedding(shape.vocab_size, 16, tp)
+        e.weight_loader("weight", full["embed"], None, "embed_tokens.weight")
+        embed.append(e)
+        h = VocabParallelLMHead(16, shape.vocab_size, tp)
+        h.weight_loader("weight", full["embed"], None, "lm_head.weight")
+        head.append(h)
+    half = inter // size
+    assert torch.equal(torch.cat([m.weight[:half] for m in gate_up]), full["gate"])
+    assert torch.equal(torch.cat([m.weight[half:] for m in gate_up]), full["up"])
+    assert torch.equal(torch.cat([r.weight for r in o], 1), full["o"])
+    assert torch.equal(sum(r.bias for r in o), full["o_bias"])  # the all-reduce adds it once
+    assert torch.equal(torch.cat([r.weight for r in down], 1), full["down"])
+    for table in (torch.cat([e.weight for e in embed]), torch.cat([h.weight for h in head])):
+        assert table.shape[0] == -(-shape.vocab_size // size) * size
+        assert torch.equal(table[:shape.vocab_size], full["embed"]) and not table[shape.vocab_size:].any()
+    for rank, (layer, stored_fused) in enumerate(zip(qkv, fused)):
+        tp = ranks[rank]
+        first, count = tp.kv_heads(kv)
+        local_q = (shape.num_heads // size) * 2
+        assert torch.equal(layer.weight[:local_q], full["q"][rank * local_q:(rank + 1) * local_q])
+        assert torch.equal(layer.weight[local_q:local_q + count * 2], full["k"][first * 2:(first + count) * 2])
+        assert torch.equal(stored_fused.weight, layer.weight)  # a fused checkpoint is cut into the same pieces
+        assert layer.bias.shape[0] == layer.weight.shape[0]
         # each rank's query heads read the KV head it keeps
-        local = TensorParallel(rank, size).local_shape(shape)
+        local = tp.local_shape(shape)
         group = shape.num_heads // kv
         heads = range(rank * local.num_heads, (rank + 1) * local.num_heads)
         assert {h // group for h in heads} <= set(range(first, first + count))
 
 
 def test_int8_rows_are_cut_on_group_boundaries():
+    from asyncllm.model.layers import RowParallelLinear, use_int8
+
     rows = QuantizedRows(torch.randint(-127, 127, (4, 64), dtype=torch.int8), torch.rand(4, 2))
-    shape = _shape(heads=2, kv=2)
-    shape.head_dim = 32
-    left = Sharding(TensorParallel(0, 2), shape).shard("l.o_proj.weight", None, rows)
-    assert isinstance(left, QuantizedRows) and left.shape == (4, 32)
-    assert torch.equal(left.dequantize(), rows.dequantize()[:, :32])
+    layer = RowParallelLinear(32, 4, False, (0, 32), TensorParallel(0, 2))
+    assert isinstance(layer.cut("weight", None, rows), QuantizedRows)  # cut as stored: 32 columns = one group
+    assert layer.cut("weight", None, rows).shape == (4, 32)
+    holder = torch.nn.Module()
+    holder.layer = layer
+    use_int8(holder, 32)
+    layer.weight_loader("weight", rows, None, "o_proj.weight")
+    assert torch.equal(layer.method.slot.qweight, rows.qweight[:, :32])
 
 
 def test_sizes_that_do_not_divide_the_model_are_refused_naming_the_argument(llama_dir):

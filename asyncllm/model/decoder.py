@@ -33,6 +33,7 @@ from ..distributed.parallel import SINGLE, TensorParallel
 from ..errors import ModelLoadError
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import add_rms_norm, rms_norm, silu_and_mul
+from .layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelLMHead, vocab_rows
 from .registry import LLAMA_LORA_TARGETS, SPLIT_PROJECTIONS
 from .rotary import RotaryEmbedding, rope_parameters, rope_type_of
 from .shape import DecoderShape
@@ -91,16 +92,21 @@ def make_norm(shape: DecoderShape, size: int) -> nn.Module:
 
 class Attention(nn.Module):
     def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding | None, backend, lora=None,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, full: DecoderShape | None = None) -> None:
+        """``shape``: this rank's (local) shape; ``full``: the whole model's (default: the same)."""
         super().__init__()
+        full = full or shape
         self.lora = lora  # LoRASlots shared by all layers, or None
         self.tp = tp
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size = shape.num_heads * shape.head_dim
         self.kv_size = shape.num_kv_heads * shape.head_dim
-        self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_bias)
+        self.qkv_proj = QKVParallelLinear(shape.hidden_size, full.num_heads, full.num_kv_heads, shape.head_dim,
+                                          shape.qkv_bias, tp)
+        head_share = tp.split(full.num_heads)
+        self.o_proj = RowParallelLinear(self.q_size, shape.hidden_size, shape.o_bias,
+                                        (head_share[0] * shape.head_dim, head_share[1] * shape.head_dim), tp)
         self.qk_norm = shape.qk_norm
         if shape.qk_norm == "full":  # over all heads of the projection (OLMo 2)
             self.q_norm, self.k_norm = make_norm(shape, self.q_size), make_norm(shape, self.kv_size)
@@ -147,11 +153,15 @@ def _activation(name: str):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int = 0, lora=None, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, shape: DecoderShape, layer_index: int = 0, lora=None, tp: TensorParallel = SINGLE,
+                 full: DecoderShape | None = None) -> None:
         super().__init__()
+        full = full or shape
         self.layer_index, self.lora, self.tp = layer_index, lora, tp
-        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, [full.intermediate_size] * 2,
+                                                       shape.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(shape.intermediate_size, shape.hidden_size, shape.mlp_bias,
+                                           tp.split(full.intermediate_size), tp)
         self.act_and_mul = _activation(shape.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,11 +187,11 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding | None, backend, lora=None,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, full: DecoderShape | None = None) -> None:
         super().__init__()
         self.layout, self.residual_scale = shape.layout, shape.residual_scale
-        self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp)
-        self.mlp = MLP(shape, layer_index, lora, tp)
+        self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp, full)
+        self.mlp = MLP(shape, layer_index, lora, tp, full)
         size = shape.hidden_size
         if shape.layout != "post":
             self.input_layernorm = make_norm(shape, size)
@@ -218,7 +228,17 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.start, rows = tp.vocab(vocab_size)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
-        self.tp = tp
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def weight_loader(self, kind: str, tensor, part, name: str) -> None:
+        """This rank's rows of the checkpoint's table (looked up, not multiplied: always float)."""
+        if not isinstance(tensor, torch.Tensor):
+            tensor = tensor.dequantize()
+        rows = vocab_rows(tensor, self.tp, self.vocab_size)
+        if rows.shape != self.weight.shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"({self.vocab_size}, {self.weight.shape[1]})")
+        self.weight.data.copy_(rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
@@ -245,19 +265,19 @@ class DecoderModel(nn.Module):
     interleaved_rope: ClassVar[bool] = False
 
     def __init__(self, shape: DecoderShape, rotaries: list[RotaryEmbedding | None], backend, lora=None,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, full: DecoderShape | None = None) -> None:
+        """``shape``: this rank's; ``full``: the whole model's (its layers cut checkpoint tensors by it)."""
         super().__init__()
         self.shape, self.tp = shape, tp
         self.rotaries = [r for i, r in enumerate(rotaries) if r is not None and r not in rotaries[:i]]
         self.model = nn.Module()
-        rows = tp.vocab(shape.vocab_size)[1]
         self.model.embed_tokens = (VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp) if tp.enabled
                                    else nn.Embedding(shape.vocab_size, shape.hidden_size))
-        self.model.layers = nn.ModuleList(DecoderLayer(shape, i, rotaries[i], backend, lora, tp)
+        self.model.layers = nn.ModuleList(DecoderLayer(shape, i, rotaries[i], backend, lora, tp, full)
                                           for i in range(shape.num_layers))
         self.model.norm = make_norm(shape, shape.hidden_size)
         if not shape.tie_word_embeddings:
-            self.lm_head = nn.Linear(shape.hidden_size, rows, bias=False)
+            self.lm_head = VocabParallelLMHead(shape.hidden_size, shape.vocab_size, tp)
 
     # ---- the family's declaration (class methods: read before the model is built) ----
 

@@ -12,7 +12,6 @@ from tqdm.auto import tqdm
 
 from ..errors import ModelLoadError
 from .gguf_weights import QuantizedRows
-from .quantization import Int8Slot
 from .registry import Architecture, architecture_for, supported_architectures
 from .source import ModelSource
 
@@ -93,34 +92,25 @@ def checkpoint_tensors(model, source: ModelSource, keep_q8_0: bool = False,
 
 
 def load_weights(model, source: ModelSource | Path, arch: Architecture, keep_q8_0: bool = False,
-                 sharding=None) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter, as ``arch.fused`` places
-    them; every parameter (and every slice of a fused one) must be covered. Projections replaced by
-    int8 slots (model/quantization.py) take float tensors (quantized as they arrive) or int8 rows.
-    ``sharding`` (distributed/sharding.py): a tensor-parallel rank's cut, applied to each tensor
-    as it arrives, so no rank holds more than its shard plus one checkpoint tensor."""
+                 shape=None) -> None:
+    """Hand every checkpoint tensor to the module it belongs to: a layer that loads its own weights
+    (``weight_loader``: model/layers.py, which places a piece of a fused projection and cuts it to
+    this tensor-parallel rank, so no rank holds more than its shard plus one checkpoint tensor), or
+    a plain parameter copied whole (norms). ``arch.fused`` says which checkpoint projection is which
+    part of a fused one; every parameter (and every part of a fused one) must be covered.
+    ``shape``: the whole model's, when ``model`` is one rank's shard."""
     if isinstance(source, Path):
         source = ModelSource(source)
-    targets = _load_targets(model)
+    modules = dict(model.named_modules())
     filled: set[str] = set()
-    shape = sharding.shape if sharding is not None else None
     for name, tensor in checkpoint_tensors(model, source, keep_q8_0, shape):
-        target = _copy_tensor(model, targets, name, tensor, arch.fused, sharding, source.is_gguf)
-        if target:
-            filled.add(target)
-    missing = sorted(_expected_pieces(targets, arch.fused) - filled)
+        piece = _load_tensor(model, modules, name, tensor, arch.fused, source.is_gguf)
+        if piece:
+            filled.add(piece)
+    missing = sorted(_expected_pieces(model, arch.fused) - filled)
     if missing:
         raise ModelLoadError(f"checkpoint {source.name or source.root} lacks weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
-
-
-def _load_targets(model) -> dict:
-    """Parameter name -> parameter, plus ``<slot>.weight`` -> the int8 slot for quantized projections."""
-    targets: dict = dict(model.named_parameters())
-    for name, module in model.named_modules():
-        if isinstance(module, Int8Slot):
-            targets[f"{name}.weight"] = module
-    return targets
 
 
 def _renamed(name: str, renames: dict[str, str]) -> str:
@@ -130,71 +120,48 @@ def _renamed(name: str, renames: dict[str, str]) -> str:
     return ".".join(renames.get(part, part) for part in name.split("."))
 
 
-def _copy_tensor(model, params: dict, name: str, tensor, fused_map: dict, sharding=None,
-                 from_gguf: bool = False) -> str | None:
+def _load_tensor(model, modules: dict, name: str, tensor, fused_map: dict, from_gguf: bool) -> str | None:
+    """Load one checkpoint tensor; the piece it filled (``module.kind:part``), or None if it is not used."""
     if "rotary_emb" in name or (name == "lm_head.weight" and model.shape.tie_word_embeddings):
         return None
+    original = name
     name = _renamed(name, getattr(model, "renamed", {}))
     if isinstance(tensor, torch.Tensor):
         tensor = model.prepare_weight(name, tensor, from_gguf)
-    for hf_name, (fused, part) in fused_map.items():
-        if f".{hf_name}." in name:
-            target = name.replace(hf_name, fused)
-            _check_known(params, target, name)
-            if sharding is not None:
-                tensor = sharding.shard(target, part, tensor)
-            param = params[target]
-            start, size = _slice_of(model, fused, part, _rows(param))
-            _assign_rows(param, start, size, tensor, name)
-            return f"{target}:{part}"
-    _check_known(params, name, name)
-    if sharding is not None:
-        tensor = sharding.shard(name, None, tensor)
-    _assign_rows(params[name], 0, _rows(params[name]), tensor, name)
-    return name
+    path, _, kind = name.rpartition(".")
+    parent, _, leaf = path.rpartition(".")
+    part = None
+    if leaf in fused_map:
+        fused, part = fused_map[leaf]
+        path = f"{parent}.{fused}" if parent else fused
+    module = modules.get(path)
+    if module is None or kind not in dict(module.named_parameters(recurse=False)):
+        raise ModelLoadError(f"unexpected tensor {original!r} in checkpoint (no matching parameter)")
+    loader = getattr(module, "weight_loader", None)
+    if loader is not None:
+        loader(kind, tensor, part, original)
+    else:
+        if isinstance(tensor, QuantizedRows):
+            tensor = tensor.dequantize()
+        _assign(getattr(module, kind).data, tensor, original)
+    return f"{path}.{kind}:{part}"
 
 
-def _rows(target) -> int:
-    return target.out_features if isinstance(target, Int8Slot) else target.shape[0]
-
-
-def _assign_rows(target, start: int, size: int, tensor, name: str) -> None:
-    if isinstance(target, Int8Slot):
-        target.assign_rows(start, size, tensor, name)
-        return
-    if isinstance(tensor, QuantizedRows):
-        tensor = tensor.dequantize()
-    _assign(target.data[start:start + size], tensor, name)
-
-
-def _expected_pieces(params: dict, fused_map: dict) -> set[str]:
-    """Names every checkpoint must fill: one per plain parameter, one per slice of a parameter the
-    checkpoint stores in pieces (``fused_map``), one for a parameter it stores fused already."""
+def _expected_pieces(model, fused_map: dict) -> set[str]:
+    """What every checkpoint must fill: each parameter once, or once per part for a fused projection
+    the checkpoint stores in pieces (``fused_map``)."""
     parts: dict[str, list] = {}
     for fused, part in fused_map.values():
         parts.setdefault(fused, []).append(part)
     pieces = set()
-    for name in params:
-        module = name.split(".")[-2] if "." in name else ""
-        if module in parts:
-            pieces.update(f"{name}:{part}" for part in parts[module])
-        else:
-            pieces.add(name)
+    for path, module in model.named_modules():
+        leaf = path.rpartition(".")[2]
+        for kind, _ in module.named_parameters(recurse=False):
+            if leaf in parts and hasattr(module, "weight_loader"):
+                pieces.update(f"{path}.{kind}:{part}" for part in parts[leaf])
+            else:
+                pieces.add(f"{path}.{kind}:None")
     return pieces
-
-
-def _slice_of(model, fused: str, part, rows: int) -> tuple[int, int]:
-    shape = model.shape
-    if fused == "gate_up_proj":
-        half = rows // 2
-        return part * half, half
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[part]
-
-
-def _check_known(params: dict, target: str, name: str) -> None:
-    if target not in params:
-        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (no matching parameter)")
 
 
 def _assign(destination: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

@@ -9,9 +9,10 @@
   files keep groups of 32 (Q8_0 tensors as stored, other types quantized to that grouping).
 - ``"none"``: float weights, even from a Q8_0 file (widened at load).
 
-Loading fills :class:`Int8Slot` placeholders row slice by row slice (fused projections arrive in
-pieces, and float pieces are quantized as they arrive, so the float model never exists whole);
-:func:`finish_int8` then swaps each placeholder for the kernel-backed ``Int8Linear``.
+Loading fills each projection's :class:`Int8Slot` row slice by row slice (its ``Int8Weights`` method,
+model/layers.py: fused projections arrive in pieces, and float pieces are quantized as they arrive,
+so the float model never exists whole); ``finish_layers`` then swaps each projection for the
+kernel-backed ``Int8Linear``.
 """
 
 from __future__ import annotations
@@ -79,34 +80,10 @@ class Int8Slot(nn.Module):
         self.scales[start:start + size].copy_(value.scales)
 
 
-def make_int8_slots(model: nn.Module, fmt: WeightFormat, skip: tuple[str, ...] = ()) -> int:
-    """Replace every ``nn.Linear`` of ``model`` (but those named in ``skip``) by an :class:`Int8Slot`."""
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in skip]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        slot = Int8Slot(linear.in_features, linear.out_features, linear.bias is not None, fmt.group_size,
-                        linear.weight.device)
-        setattr(parent, attr, slot)
-    return len(targets)
-
-
-def finish_int8(model: nn.Module, fmt: WeightFormat, tied_head: torch.Tensor | None) -> int:
-    """Swap every filled :class:`Int8Slot` for an ``Int8Linear``; a LM head tied to the embeddings
-    (``tied_head``: the embedding table) becomes an int8 ``lm_head`` quantized from it.
-    Returns how many int8 layers the model has."""
+def int8_tied_head(model: nn.Module, fmt: WeightFormat) -> None:
+    """A LM head tied to the embeddings becomes an int8 ``lm_head`` quantized from the embedding table."""
     from ..kernels.int8_linear import Int8Linear
     from ..kernels.int8_weights import quantize_weight
 
-    slots = [(name, m) for name, m in model.named_modules() if isinstance(m, Int8Slot)]
-    for name, slot in slots:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        bias = None if slot.bias is None else slot.bias.data
-        setattr(parent, attr, Int8Linear(slot.qweight, slot.scales, bias))
-    count = len(slots)
-    if tied_head is not None:
-        qweight, scales = quantize_weight(tied_head.float(), fmt.group_size)
-        model.lm_head = Int8Linear(qweight, scales, None)
-        count += 1
-    return count
+    qweight, scales = quantize_weight(model.model.embed_tokens.weight.float(), fmt.group_size)
+    model.lm_head = Int8Linear(qweight, scales, None)

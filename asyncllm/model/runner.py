@@ -28,7 +28,8 @@ from ..kernels.transfer import stage, to_device
 from .cuda_graphs import DecodeGraphs
 from ..platform import Platform, decide_platform
 from .loader import load_weights
-from .quantization import WeightFormat, decide_weight_format, finish_int8, make_int8_slots
+from .layers import finish_layers, use_int8
+from .quantization import WeightFormat, decide_weight_format, int8_tied_head
 from .source import ModelSource, gguf_linear_types
 from .step_io import StepInput, StepOutput
 from .registry import architecture_for
@@ -107,20 +108,22 @@ class ModelRunner:
 
     def _load_native(self, config: EngineConfig, hf_config, source: ModelSource, max_model_len: int) -> None:
         """The family's model built on the meta device, then filled tensor by tensor (model/loader.py)."""
-        sharding = Sharding(self.tp, self.shape) if self.tp.enabled else None
         self.backend = build_attention_backend(self.platform, self.local_shape)
         rotaries = self.model_class.make_rotaries(hf_config, self.shape, max_model_len)
         with torch.device("meta"):
-            model = self.model_class(self.local_shape, rotaries, self.backend, self.lora, self.tp).to(self.dtype)
+            model = self.model_class(self.local_shape, rotaries, self.backend, self.lora, self.tp,
+                                     self.shape).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
         self.weight_format = decide_weight_format(config.quantization, source.is_gguf,
                                                   gguf_linear_types(source) if source.is_gguf else set())
         if self.weight_format.int8:
-            make_int8_slots(self.model, self.weight_format)
-        load_weights(self.model, source, self.architecture, keep_q8_0=self.weight_format.int8, sharding=sharding)
+            use_int8(self.model, self.weight_format.group_size)
+        load_weights(self.model, source, self.architecture, keep_q8_0=self.weight_format.int8, shape=self.shape)
+        count = finish_layers(self.model)
         if self.weight_format.int8:
-            tied = self.model.model.embed_tokens.weight if self.shape.tie_word_embeddings else None
-            count = finish_int8(self.model, self.weight_format, tied)
+            if self.shape.tie_word_embeddings:
+                int8_tied_head(self.model, self.weight_format)
+                count += 1
             logger.info("int8 weights: %d layers (groups of %s)", count, self.weight_format.group_size or "a row")
         self.model.build_rotaries(self.device, self.dtype)
 

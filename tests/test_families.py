@@ -172,11 +172,12 @@ def test_family_lora_equals_peft_merged(kind, targets, model_dir_factory, tmp_pa
     assert [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)] == reference(kind, model_dir)
 
 
-@pytest.mark.parametrize("kind", ["phi3", "gemma2"])
+@pytest.mark.parametrize("kind", ["phi3", "phi4_mini", "gemma2"])
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_path):
     """A GGUF file written as llama.cpp's converter writes the family (Phi-3's fused attn_qkv/ffn_up,
-    Gemma 2's four norms stored as 1 + w, its soft caps and window as metadata) equals transformers on
+    Phi-4-mini's partial rotary and longrope factor tensors, Gemma 2's four norms stored as 1 + w, its
+    soft caps and window as metadata) equals transformers on
     the original checkpoint; for Q8_0, on the original with every projection rounded through Q8_0 by
     gguf's own quantizer. (transformers' GGUF loader is no oracle here: it drops Gemma 2's untied head.)"""
     import gguf as gguf_package
@@ -187,6 +188,10 @@ def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_pat
     file = export_gguf(model_dir, tmp_path / f"{kind}-{qtype}.gguf", qtype)
     llm = LLM(str(file), dtype="float32")
     assert llm.engine.runner.architecture.native and llm.engine.runner.weight_format.int8 == (qtype == "Q8_0")
+    if kind == "phi4_mini":  # read back from the file's tensors and metadata, not from transformers' reader
+        rope = llm.engine.hf_config.rope_parameters
+        assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.75
+        assert llm.engine.runner.length_dependent_rope
     got = [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)]
     model = load_reference_model(model_dir)
     if qtype == "Q8_0":

@@ -39,7 +39,7 @@ _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
 # scalar metadata read beside the tensor table, under "<architecture>."
 _CONFIG_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "rope.dimension_count",
-                  "attention.sliding_window", "attention.key_length")
+                  "attention.sliding_window", "attention.key_length", "rope.scaling.original_context_length")
 
 
 @dataclass
@@ -111,14 +111,15 @@ def read_tensor_table(file: Path) -> dict:
                          "dtype": t.data.dtype.str, "offset": int(t.data_offset)} for t in reader.tensors]}
 
 
-def read_rope_freqs(file: Path, table: dict) -> list[float] | None:
-    """The ``rope_freqs`` tensor of a file, if it has one: llama.cpp's converter stores a Llama 3.x
-    model's rope scaling as one divisor per rotary frequency instead of as metadata."""
-    entry = next((t for t in table["tensors"] if t["name"] == "rope_freqs.weight"), None)
+def read_rope_freqs(file: Path, table: dict, name: str = "rope_freqs.weight") -> list[float] | None:
+    """A small float32 tensor of rope factors, if the file has it: llama.cpp's converter stores a
+    Llama 3.x model's rope scaling as one divisor per rotary frequency (``rope_freqs``) and longrope's
+    two factor sets as ``rope_factors_long``/``rope_factors_short``, instead of as metadata."""
+    entry = next((t for t in table["tensors"] if t["name"] == name), None)
     if entry is None:
         return None
     if entry["type"] != "F32":
-        raise ModelLoadError(f"GGUF tensor rope_freqs.weight has type {entry['type']}, expected F32")
+        raise ModelLoadError(f"GGUF tensor {name} has type {entry['type']}, expected F32")
     data = np.memmap(file, dtype=np.dtype(entry["dtype"]), mode="r", offset=entry["offset"],
                      shape=tuple(entry["shape"]))
     return [float(x) for x in np.asarray(data, dtype=np.float32).reshape(-1)]

@@ -36,7 +36,7 @@ HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                      "chat_template.jinja", "chat_template.json", "*.safetensors", "model.safetensors.index.json"]
 GGUF_INFO = "gguf_source.json"
-_GGUF_META_VERSION = "4"  # bump when the cached conversion's content changes
+_GGUF_META_VERSION = "5"  # bump when the cached conversion's content changes
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,14 @@ def _convert_gguf_metadata(file: Path, out: Path) -> None:
     if factors is not None:  # llama.cpp's form of llama3 rope scaling: per-frequency divisors (model/rotary.py)
         config.rope_freq_factors = factors
     _apply_missing_metadata(config, table.get("fields", {}))
+    long, short = (read_rope_freqs(file, table, f"rope_factors_{which}.weight") for which in ("long", "short"))
+    if long is not None and short is not None:  # Phi-3 longrope (model/rotary.py)
+        original = int(table.get("fields", {}).get("rope.scaling.original_context_length", 0)) or None
+        if original is None:
+            raise ModelLoadError(f"{file.name}: longrope factors without rope.scaling.original_context_length")
+        config.original_max_position_embeddings = original
+        config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "longrope", "long_factor": long,
+                                  "short_factor": short, "original_max_position_embeddings": original}
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / GGUF_INFO).write_text(json.dumps({"file": str(file), **table}))

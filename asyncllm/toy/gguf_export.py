@@ -85,6 +85,10 @@ def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32", tokenizer_p
     factors = llama3_rope_factors(config)
     if factors is not None:  # as llama.cpp's converter stores llama3 scaling: a tensor, no metadata
         writer.add_tensor("rope_freqs.weight", factors)
+    if params.get("rope_type") == "longrope":  # Phi-3 128k / Phi-4-mini: two factor tensors and the original length
+        writer.add_rope_scaling_orig_ctx_len(int(config.original_max_position_embeddings))
+        writer.add_tensor("rope_factors_long.weight", np.asarray(params["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(params["short_factor"], dtype=np.float32))
     kind = gguf.GGMLQuantizationType[qtype]
     for name, tensor in tensors.items():
         gguf_name, array = _gguf_tensor(name, tensor, config)

@@ -147,7 +147,9 @@ def test_lora_loading_is_opt_in_and_confined(llm, model_dirs, tmp_path):
 # ---- faults and backpressure -------------------------------------------------------------------------
 
 def test_engine_fault_over_http_heals(model_dirs):
-    llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32", max_model_len=512)
+    # whole prefills (max_itl_ms=None): on a loaded machine the latency policy may cut the prompt into more
+    # chunks than the fault waits for, and the fault must come after the stream has started
+    llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32", max_model_len=512, max_itl_ms=None)
     app = create_app(llm, model_name="tiny")
     inject_faults(llm, after_calls=5, times=1)
     try:

@@ -102,6 +102,21 @@ def reference_greedy(
     return results
 
 
+def random_prompts(name: str, lengths: list[int]) -> list[list[int]]:
+    """Prompts of random token ids (5..999) of the given lengths, seeded by ``name``."""
+    import random
+
+    rng = random.Random(name)
+    return [[rng.randrange(5, 1000) for _ in range(n)] for n in lengths]
+
+
+def fresh_reference_greedy(model_dir: Path, prompts_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """:func:`reference_greedy` with a freshly loaded model per prompt: transformers' dynamic rope keeps
+    state between calls (a later, shorter prompt would reuse an earlier one's frequencies)."""
+    return [reference_greedy(model_dir, [p], max_new_tokens, model=load_reference_model(model_dir))[0]
+            for p in prompts_token_ids]
+
+
 @torch.no_grad()
 def reference_logprobs(
     model_dir: Path,
@@ -125,5 +140,5 @@ __all__ = [
     "BOS_TOKEN_ID", "EOS_TOKEN_ID", "PAD_TOKEN_ID", "IM_START_TOKEN_ID", "IM_END_TOKEN_ID",
     "KINDS", "NON_ASCII_SAMPLES", "CHAT_TEMPLATE", "MODEL_VOCAB_SIZE", "TOKENIZER_VOCAB_SIZE",
     "training_corpus", "build_tokenizer", "build_checkpoint",
-    "load_reference_model", "reference_greedy", "reference_logprobs",
+    "load_reference_model", "reference_greedy", "reference_logprobs", "random_prompts", "fresh_reference_greedy",
 ]

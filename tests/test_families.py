@@ -9,13 +9,12 @@ decide tokens here.
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.model.registry import architecture_for
-from checkpoints import load_reference_model, reference_greedy
+from checkpoints import fresh_reference_greedy, load_reference_model, random_prompts, reference_greedy
 
 FAMILY_KINDS = ["llama_bias", "mistral_window", "qwen2_window", "phi4_mini", "gemma", "gemma2", "gemma3",
                 "granite", "olmo2", "smollm3", "cohere", "glm4", "llama_dynamic"]
@@ -26,16 +25,13 @@ _references: dict[str, list[list[int]]] = {}
 
 
 def prompts(kind: str) -> list[list[int]]:
-    rng = random.Random(kind)
-    return [[rng.randrange(5, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return random_prompts(kind, PROMPT_LENGTHS)
 
 
 def reference(kind: str, model_dir) -> list[list[int]]:
-    """transformers' greedy continuations, a fresh model per prompt: its dynamic rope keeps state
-    between calls (a later, shorter prompt would reuse an earlier one's frequencies)."""
+    """transformers' greedy continuations (a fresh model per prompt, for dynamic rope's sake)."""
     if kind not in _references:
-        _references[kind] = [reference_greedy(model_dir, [p], NEW_TOKENS, model=load_reference_model(model_dir))[0]
-                             for p in prompts(kind)]
+        _references[kind] = fresh_reference_greedy(model_dir, prompts(kind), NEW_TOKENS)
     return _references[kind]
 
 
@@ -125,8 +121,7 @@ def test_length_dependent_rope_keeps_prefix_cache_hits_exact(kind, model_dir_fac
     (short_out,) = llm.generate([short_prompt], GREEDY)
     (long_out,) = llm.generate([long_prompt], GREEDY)
     assert long_out.metrics.num_cached_tokens == 0
-    fresh = [reference_greedy(model_dir, [p], NEW_TOKENS, model=load_reference_model(model_dir))[0]
-             for p in (short_prompt, long_prompt)]
+    fresh = fresh_reference_greedy(model_dir, [short_prompt, long_prompt], NEW_TOKENS)
     assert [short_out.outputs[0].token_ids, long_out.outputs[0].token_ids] == fresh
 
 
@@ -201,5 +196,5 @@ def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_pat
                 if param.dim() == 2:  # projections, the head and the embedding (the exporter quantizes it too)
                     packed = gguf_package.quants.quantize(param.numpy(), kind_q8)
                     param.copy_(torch.from_numpy(gguf_package.quants.dequantize(packed, kind_q8)).reshape(param.shape))
-    expected = [reference_greedy(model_dir, [p], NEW_TOKENS, model=model)[0] for p in prompts(kind)]
+    expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=model)
     assert got == expected

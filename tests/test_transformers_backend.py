@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 
 import pytest
 
@@ -17,7 +16,7 @@ from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import ConfigError, LoRAError, ModelLoadError
 from asyncllm.server import create_app
 from asyncllm.toy.checkpoints import TRANSFORMERS_BACKEND_KINDS
-from checkpoints import load_reference_model, reference_greedy
+from checkpoints import load_reference_model, random_prompts, reference_greedy
 from server_helpers import request
 
 PROMPT_LENGTHS = [1, 6, 13, 30]
@@ -27,8 +26,7 @@ _references: dict[str, list[list[int]]] = {}
 
 
 def prompts(kind: str) -> list[list[int]]:
-    rng = random.Random(kind)
-    return [[rng.randrange(5, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return random_prompts(kind, PROMPT_LENGTHS)
 
 
 def reference(kind: str, model_dir) -> list[list[int]]:

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
     engine.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in memory")
     engine.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton", "cpu"])
+    engine.add_argument("--model-impl", default=None, choices=["auto", "native", "transformers"],
+                        help="a native family file, or transformers' modules with paged attention (docs/models.md)")
     engine.add_argument("--enable-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="CUDA + Triton: replay decode steps as CUDA graphs (default on)")
     engine.add_argument("--tensor-parallel-size", type=int, default=None,

@@ -104,7 +104,10 @@ def test_engine_picks_the_cpu_backend_and_matches_the_reference(model_dirs):
     reference = LLM(str(model_dirs["qwen3"]), dtype="float32", block_size=4, attention_backend="torch")
     # the reference is plain torch all through: no packed weights, no fused sampling
     assert not reference.engine.runner.cpu_fast_path and auto.engine.runner.cpu_fast_path
-    assert type(reference.engine.runner.model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    from asyncllm.kernels.cpu_linear import PackedLinear
+
+    down = reference.engine.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, torch.nn.Linear) and not isinstance(down, PackedLinear)  # the layer as loaded
     assert [o.outputs[0].token_ids for o in auto.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
 

@@ -16,7 +16,7 @@ from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.model.registry import architecture_for
 from checkpoints import fresh_reference_greedy, load_reference_model, random_prompts, reference_greedy
 
-FAMILY_KINDS = ["llama_bias", "mistral_window", "qwen2_window", "phi4_mini", "gemma", "gemma2", "gemma3",
+FAMILY_KINDS = ["llama_bias", "llama_longrope", "mistral_window", "qwen2_window", "phi4_mini", "gemma", "gemma2", "gemma3",
                 "granite", "olmo2", "smollm3", "cohere", "glm4", "llama_dynamic"]
 PROMPT_LENGTHS = [1, 5, 9, 17, 40]
 NEW_TOKENS = 20

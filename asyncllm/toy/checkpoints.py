@@ -32,6 +32,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama_dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_key_value_heads=2, max_position_embeddings=32,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})),
+    "llama_longrope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, rope_parameters={**_LONGROPE, "partial_rotary_factor": 1.0,
+                                                "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0, 2.4],
+                                                "long_factor": [1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]})),
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8)),
     "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)),

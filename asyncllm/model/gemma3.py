@@ -8,7 +8,7 @@ rope. Soft-capping is off unless the config sets it.
 from __future__ import annotations
 
 from .gemma import Gemma2ForCausalLM
-from .rotary import RotaryEmbedding, rope_parameters
+from .rotary import RotaryEmbedding, default_inv_freq
 from .shape import DecoderShape
 
 _TYPES = ("sliding_attention", "full_attention")
@@ -34,10 +34,10 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
             by_type = {t: RotaryEmbedding.from_config(config, shape.head_dim, max_positions, layer_type=t)
                        for t in _TYPES}
         else:  # older configs: one rope_theta for global layers, rope_local_base_freq for local ones
-            glob = RotaryEmbedding.from_config(config, shape.head_dim, max_positions)
-            local_config = _LocalRope(config)
-            by_type = {"full_attention": glob,
-                       "sliding_attention": RotaryEmbedding.from_config(local_config, shape.head_dim, max_positions)}
+            local_base = float(getattr(config, "rope_local_base_freq", 10000.0))
+            by_type = {"full_attention": RotaryEmbedding.from_config(config, shape.head_dim, max_positions),
+                       "sliding_attention": RotaryEmbedding(default_inv_freq(local_base, shape.head_dim), 1.0,
+                                                            max_positions)}
         return [by_type[t] for t in types]
 
 
@@ -45,8 +45,3 @@ def _per_layer_type(config) -> bool:
     params = getattr(config, "rope_parameters", None) or {}
     return all(isinstance(params.get(t), dict) for t in _TYPES)
 
-
-class _LocalRope:
-    def __init__(self, config) -> None:
-        self.rope_parameters = {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
-        rope_parameters(self)  # validates the shape of the dict

@@ -12,10 +12,9 @@ from tqdm.auto import tqdm
 
 from ..errors import ModelLoadError
 from .gguf_weights import QuantizedRows
-from .registry import Architecture, architecture_for, supported_architectures
+from .registry import Architecture, architecture_for
 from .source import ModelSource
 
-SUPPORTED_ARCHITECTURES = tuple(supported_architectures())
 _PROGRESS_MIN_BYTES = 512 * 2**20  # show a progress bar only for checkpoints worth waiting on
 
 

@@ -51,7 +51,6 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
                "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "cohere": "CohereForCausalLM",
                "glm4": "Glm4ForCausalLM"}
-MODEL_TYPE_ARCHITECTURES = MODEL_TYPES  # the name the GGUF source reader uses
 MODEL_IMPLS = ("auto", "native", "transformers")
 
 

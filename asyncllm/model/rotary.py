@@ -69,14 +69,18 @@ def _call_init(rope_type: str, config, layer_type: str | None, seq_len: int | No
     return inv_freq.float(), float(scaling)
 
 
+def default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    """Plain rope's inverse frequencies over ``dim`` rotated dimensions, as transformers computes them."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def rope_frequencies(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) for a transformers config (the short factors for longrope)."""
     params = rope_parameters(config, layer_type)
     rope_type = rope_type_of(params)
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        dim = int(head_dim * partial_rotary_factor(config, layer_type))
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv_freq = default_inv_freq(base, int(head_dim * partial_rotary_factor(config, layer_type)))
         factors = getattr(config, "rope_freq_factors", None)  # from a GGUF file's rope_freqs (llama3 scaling)
         if factors is not None:
             if len(factors) != inv_freq.numel():

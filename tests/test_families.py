@@ -167,7 +167,7 @@ def test_family_lora_equals_peft_merged(kind, targets, model_dir_factory, tmp_pa
     assert [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)] == reference(kind, model_dir)
 
 
-@pytest.mark.parametrize("kind", ["phi3", "phi4_mini", "gemma2"])
+@pytest.mark.parametrize("kind", ["phi3", "phi4_mini", "gemma2", "granite"])
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_path):
     """A GGUF file written as llama.cpp's converter writes the family (Phi-3's fused attn_qkv/ffn_up,

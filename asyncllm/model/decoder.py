@@ -260,6 +260,7 @@ class DecoderModel(nn.Module):
     fast_paths: ClassVar[FastPaths] = FastPaths()
     gguf_architectures: ClassVar[tuple[str, ...]] = ()  # llama.cpp architecture names of its GGUF files
     gguf_names: ClassVar[dict[str, str]] = {}  # GGUF per-layer tensor names that differ from Llama's -> module
+    gguf_permuted_qk: ClassVar[bool] = False  # llama.cpp's converter interleaves q/k rows (Llama's converter does)
     activations: ClassVar[dict[str, str]] = {"silu": "silu"}  # config hidden_act -> MLP activation
     supported_rope_types: ClassVar[tuple[str, ...]] = _ROPE_TYPES
     interleaved_rope: ClassVar[bool] = False

@@ -36,10 +36,8 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # GGUF architectures whose tensors this module maps (each family declares its own: gguf_architectures);
 # only "llama" files carry permuted q/k rows
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
-# scalar metadata read beside the tensor table, under "<architecture>."
-_CONFIG_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "rope.dimension_count",
-                  "attention.sliding_window", "attention.key_length", "rope.scaling.original_context_length")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "granite")
+_SCALARS = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64", "FLOAT32", "FLOAT64", "BOOL"}
 
 
 @dataclass
@@ -101,11 +99,10 @@ def read_tensor_table(file: Path) -> dict:
 
     reader = GGUFReader(str(file))
     arch = gguf_architecture(reader)
-    fields = {}
-    for key in _CONFIG_FIELDS:  # metadata transformers' GGUF reader leaves out (model/source.py applies it)
-        field = reader.get_field(f"{arch}.{key}")
-        if field is not None and field.data:
-            fields[key] = float(field.parts[field.data[0]][0])
+    fields = {}  # the architecture's scalar metadata, by key after "<arch>." (model/source.py reads it)
+    for key, field in reader.fields.items():
+        if key.startswith(f"{arch}.") and len(field.types) == 1 and field.data and field.types[0].name in _SCALARS:
+            fields[key[len(arch) + 1:]] = float(field.parts[field.data[0]][0])
     return {"architecture": arch, "fields": fields,
             "tensors": [{"name": t.name, "type": t.tensor_type.name, "shape": list(t.data.shape),
                          "dtype": t.data.dtype.str, "offset": int(t.data_offset)} for t in reader.tensors]}
@@ -133,7 +130,8 @@ def linear_quant_types(table: dict) -> set[str]:
 
 def iter_gguf_tensors(file: Path, table: dict, num_heads: int, num_kv_heads: int, keep_q8_0: bool,
                       architectures: tuple[str, ...] = SUPPORTED_GGUF_ARCHITECTURES,
-                      renamed: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+                      renamed: dict[str, str] | None = None, permuted_qk: bool | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """Every tensor of ``file`` the engine uses, as (Hugging Face name, float32 tensor or QuantizedRows).
 
     ``table`` is :func:`read_tensor_table`'s. ``keep_q8_0``: Q8_0 projection weights come out as
@@ -145,6 +143,8 @@ def iter_gguf_tensors(file: Path, table: dict, num_heads: int, num_kv_heads: int
     if arch not in architectures:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported for this model (supported: "
                              f"{', '.join(architectures)})")
+    if permuted_qk is None:
+        permuted_qk = arch == "llama"
     for entry in table["tensors"]:
         name = hf_name(entry["name"], renamed)
         if name is None:
@@ -153,7 +153,7 @@ def iter_gguf_tensors(file: Path, table: dict, num_heads: int, num_kv_heads: int
         data = np.memmap(file, dtype=np.dtype(entry["dtype"]), mode="r", offset=entry["offset"],
                          shape=tuple(entry["shape"]))
         permute_heads = None
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             permute_heads = num_heads if "q_proj" in name else num_kv_heads
         if (keep_q8_0 and qtype == GGMLQuantizationType.Q8_0 and len(entry["shape"]) == 2
                 and name != "model.embed_tokens.weight"):

@@ -24,6 +24,7 @@ def layer_windows(config, num_layers: int) -> tuple:
 
 class LlamaForCausalLM(DecoderModel):
     gguf_architectures = ("llama",)
+    gguf_permuted_qk = True
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:
@@ -38,6 +39,7 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     gguf_architectures = ("qwen2",)
+    gguf_permuted_qk = False
     bias_on_o_proj = False
 
     @classmethod
@@ -49,6 +51,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     gguf_architectures = ("qwen3",)
+    gguf_permuted_qk = False
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:

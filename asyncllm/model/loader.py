@@ -87,7 +87,8 @@ def checkpoint_tensors(model, source: ModelSource, keep_q8_0: bool = False,
 
     shape = shape or model.shape
     return iter_gguf_tensors(source.gguf_file, gguf_tensor_table(source), shape.num_heads, shape.num_kv_heads,
-                             keep_q8_0, type(model).gguf_architectures, type(model).gguf_names)
+                             keep_q8_0, type(model).gguf_architectures, type(model).gguf_names,
+                             type(model).gguf_permuted_qk)
 
 
 def load_weights(model, source: ModelSource | Path, arch: Architecture, keep_q8_0: bool = False,

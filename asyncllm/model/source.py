@@ -36,7 +36,7 @@ HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                      "chat_template.jinja", "chat_template.json", "*.safetensors", "model.safetensors.index.json"]
 GGUF_INFO = "gguf_source.json"
-_GGUF_META_VERSION = "5"  # bump when the cached conversion's content changes
+_GGUF_META_VERSION = "6"  # bump when the cached conversion's content changes
 
 
 @dataclass(frozen=True)
@@ -154,14 +154,20 @@ def _convert_gguf_metadata(file: Path, out: Path) -> None:
         raise ModelLoadError("loading a .gguf file needs the gguf package: pip install gguf") from e
     from transformers import AutoConfig, AutoTokenizer
 
-    try:
-        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
-    except Exception as e:  # transformers raises ValueError/KeyError/... for unsupported files
-        raise ModelLoadError(f"cannot read the metadata of GGUF file {file.name}: {e}") from e
     from .gguf_weights import read_rope_freqs, read_tensor_table
 
-    table = read_tensor_table(file)
+    try:
+        table = read_tensor_table(file)
+        if table["architecture"] in OWN_GGUF_CONFIGS:  # architectures transformers' GGUF reader lacks
+            config = _config_from_metadata(table)
+            tokenizer = _tokenizer_from_file(file)
+        else:
+            config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # transformers raises ValueError/KeyError/... for unsupported files
+        raise ModelLoadError(f"cannot read the metadata of GGUF file {file.name}: {e}") from e
     factors = read_rope_freqs(file, table)
     if factors is not None:  # llama.cpp's form of llama3 rope scaling: per-frequency divisors (model/rotary.py)
         config.rope_freq_factors = factors
@@ -177,6 +183,50 @@ def _convert_gguf_metadata(file: Path, out: Path) -> None:
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / GGUF_INFO).write_text(json.dumps({"file": str(file), **table}))
+
+
+# llama.cpp architecture -> (transformers model_type, "<arch>." metadata key -> config attribute beyond the common ones)
+OWN_GGUF_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
+    "granite": ("granite", {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                            "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+}
+_COMMON_KEYS = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
+                "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
+                "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+                "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+_INT_KEYS = {"max_position_embeddings", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "vocab_size"}
+
+
+def _config_from_metadata(table: dict):
+    """A transformers config from a GGUF file's metadata, for an architecture in :data:`OWN_GGUF_CONFIGS`
+    (the metadata keys are llama.cpp's; their meaning the converter's)."""
+    from transformers import AutoConfig
+
+    from .registry import MODEL_TYPES
+
+    model_type, extra = OWN_GGUF_CONFIGS[table["architecture"]]
+    fields = table.get("fields", {})
+    missing = [key for key in _COMMON_KEYS if key not in fields and key != "vocab_size"]
+    if missing:
+        raise ModelLoadError(f"GGUF {table['architecture']!r} metadata lacks {', '.join(missing)}")
+    kwargs = {attr: fields[key] for key, attr in {**_COMMON_KEYS, **extra}.items() if key in fields}
+    kwargs = {k: int(v) if k in _INT_KEYS else v for k, v in kwargs.items()}
+    if "vocab_size" not in kwargs:
+        kwargs["vocab_size"] = next(t["shape"][0] for t in table["tensors"] if t["name"] == "token_embd.weight")
+    kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.get("rope.freq_base", 10000.0)}
+    kwargs["tie_word_embeddings"] = not any(t["name"] == "output.weight" for t in table["tensors"])
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config.architectures = [MODEL_TYPES[model_type]]
+    return config
+
+
+def _tokenizer_from_file(file: Path):
+    """The file's tokenizer through transformers' GGUF tokenizer conversion (which does not depend on
+    the architecture)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
 
 
 def _apply_missing_metadata(config, fields: dict) -> None:

@@ -24,12 +24,15 @@ _LAYER_TENSORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "f
                   "mlp.down_proj": "ffn_down"}
 # model_type -> (llama.cpp architecture, per-layer names that differ from Llama's, norms stored as 1 + w)
 _ARCHITECTURES = {
-    "llama": ("llama", {}, False), "mistral": ("llama", {}, False),
+    "llama": ("llama", {}, False), "mistral": ("llama", {}, False), "granite": ("granite", {}, False),
     "phi3": ("phi3", {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}, False),
     "gemma2": ("gemma2", {"post_attention_layernorm": "post_attention_norm",
                           "pre_feedforward_layernorm": "ffn_norm",
                           "post_feedforward_layernorm": "post_ffw_norm"}, True),
 }
+
+
+_PERMUTED = ("llama", "granite")  # architectures llama.cpp converts as Llama: q/k rows interleaved
 
 
 def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -75,6 +78,11 @@ def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32", tokenizer_p
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(int(config.sliding_window))
+    if arch == "granite":  # the converter's names for Granite's multipliers
+        writer.add_attention_scale(float(config.attention_multiplier))
+        writer.add_embedding_scale(float(config.embedding_multiplier))
+        writer.add_residual_scale(float(config.residual_multiplier))
+        writer.add_logit_scale(float(config.logits_scaling))
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(writer, tokenizer, config.vocab_size, tokenizer_pre)
@@ -140,9 +148,9 @@ def _gguf_tensor(name: str, tensor: torch.Tensor, config) -> tuple[str | None, n
     names = {**_LAYER_TENSORS, **renamed}
     if module not in names:
         return None, array
-    if arch == "llama" and module == "self_attn.q_proj":
+    if arch in _PERMUTED and module == "self_attn.q_proj":
         array = permute_rows(array, config.num_attention_heads)
-    elif arch == "llama" and module == "self_attn.k_proj":
+    elif arch in _PERMUTED and module == "self_attn.k_proj":
         array = permute_rows(array, config.num_key_value_heads)
     return f"blk.{layer}.{names[module]}.{parts[-1]}", np.ascontiguousarray(array)
 

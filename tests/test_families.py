@@ -167,7 +167,12 @@ def test_family_lora_equals_peft_merged(kind, targets, model_dir_factory, tmp_pa
     assert [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)] == reference(kind, model_dir)
 
 
-@pytest.mark.parametrize("kind", ["phi3", "phi4_mini", "gemma2", "granite"])
+_GGUF_CONFIG_KEYS = {"granite": ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"),
+                     "cohere": ("logit_scale", "layer_norm_eps"), "gemma2": ("attn_logit_softcapping",
+                                                                            "final_logit_softcapping")}
+
+
+@pytest.mark.parametrize("kind", ["phi3", "phi4_mini", "gemma", "gemma2", "granite", "olmo2", "smollm3", "cohere", "glm4"])
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_path):
     """A GGUF file written as llama.cpp's converter writes the family (Phi-3's fused attn_qkv/ffn_up,
@@ -183,6 +188,9 @@ def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_pat
     file = export_gguf(model_dir, tmp_path / f"{kind}-{qtype}.gguf", qtype)
     llm = LLM(str(file), dtype="float32")
     assert llm.engine.runner.architecture.native and llm.engine.runner.weight_format.int8 == (qtype == "Q8_0")
+    original = load_reference_model(model_dir).config
+    for key in _GGUF_CONFIG_KEYS.get(kind, ()):  # values that change no greedy token (logit scales) checked here
+        assert getattr(llm.engine.hf_config, key) == pytest.approx(getattr(original, key)), key
     if kind == "phi4_mini":  # read back from the file's tensors and metadata, not from transformers' reader
         rope = llm.engine.hf_config.rope_parameters
         assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.75

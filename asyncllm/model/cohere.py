@@ -14,6 +14,7 @@ from .shape import DecoderShape
 
 class CohereForCausalLM(DecoderModel):
     interleaved_rope = True
+    gguf_architectures = ("command-r",)
     fast_paths = FastPaths(decode_stack=False)
 
     @classmethod

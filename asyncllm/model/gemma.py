@@ -20,7 +20,7 @@ GELU = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gel
 
 class GemmaForCausalLM(DecoderModel):
     activations = GELU
-    gguf_architectures = ()  # transformers' GGUF reader (the metadata conversion) has no "gemma"
+    gguf_architectures = ("gemma",)
     fast_paths = FastPaths(decode_stack=False)
 
     @classmethod

@@ -36,7 +36,8 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # GGUF architectures whose tensors this module maps (each family declares its own: gguf_architectures);
 # only "llama" files carry permuted q/k rows
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "granite")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "granite", "olmo2", "smollm3", "glm4",
+                               "command-r", "gemma")
 _SCALARS = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64", "FLOAT32", "FLOAT64", "BOOL"}
 
 

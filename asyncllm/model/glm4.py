@@ -16,6 +16,10 @@ class Glm4ForCausalLM(DecoderModel):
                "post_attention_layernorm": "pre_feedforward_layernorm",
                "post_mlp_layernorm": "post_feedforward_layernorm"}
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")
+    gguf_architectures = ("glm4",)
+    # GGUF names -> the checkpoint's (then renamed above): llama.cpp's names follow the norms' roles
+    gguf_names = {"post_attention_norm": "post_self_attn_layernorm", "ffn_norm": "post_attention_layernorm",
+                  "post_ffw_norm": "post_mlp_layernorm", "ffn_up": "mlp.gate_up_proj"}
     interleaved_rope = True
     bias_on_o_proj = False
     fast_paths = FastPaths(decode_stack=False)

@@ -13,6 +13,8 @@ from .shape import DecoderShape
 
 class Olmo2ForCausalLM(DecoderModel):
     fast_paths = FastPaths(decode_stack=False, tensor_parallel=False)
+    gguf_architectures = ("olmo2",)
+    gguf_names = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:

@@ -9,6 +9,9 @@ from .shape import DecoderShape
 
 
 class SmolLM3ForCausalLM(DecoderModel):
+    gguf_architectures = ("smollm3",)
+    gguf_permuted_qk = True  # llama.cpp converts it as a Llama
+
     @classmethod
     def read_shape(cls, config) -> DecoderShape:
         shape = super().read_shape(config)

@@ -36,7 +36,7 @@ HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                      "chat_template.jinja", "chat_template.json", "*.safetensors", "model.safetensors.index.json"]
 GGUF_INFO = "gguf_source.json"
-_GGUF_META_VERSION = "6"  # bump when the cached conversion's content changes
+_GGUF_META_VERSION = "8"  # bump when the cached conversion's content changes
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,11 @@ def _convert_gguf_metadata(file: Path, out: Path) -> None:
 OWN_GGUF_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
     "granite": ("granite", {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
                             "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+    "olmo2": ("olmo2", {}),
+    "smollm3": ("smollm3", {}),  # llama.cpp, like transformers' default, leaves every 4th layer without rope
+    "glm4": ("glm4", {}),
+    "gemma": ("gemma", {}),
+    "command-r": ("cohere", {"logit_scale": "logit_scale", "attention.layer_norm_epsilon": "layer_norm_eps"}),
 }
 _COMMON_KEYS = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
                 "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
@@ -207,7 +212,8 @@ def _config_from_metadata(table: dict):
 
     model_type, extra = OWN_GGUF_CONFIGS[table["architecture"]]
     fields = table.get("fields", {})
-    missing = [key for key in _COMMON_KEYS if key not in fields and key != "vocab_size"]
+    missing = [key for key in _COMMON_KEYS
+               if key not in fields and key not in ("vocab_size", "attention.layer_norm_rms_epsilon")]
     if missing:
         raise ModelLoadError(f"GGUF {table['architecture']!r} metadata lacks {', '.join(missing)}")
     kwargs = {attr: fields[key] for key, attr in {**_COMMON_KEYS, **extra}.items() if key in fields}
@@ -215,7 +221,11 @@ def _config_from_metadata(table: dict):
     if "vocab_size" not in kwargs:
         kwargs["vocab_size"] = next(t["shape"][0] for t in table["tensors"] if t["name"] == "token_embd.weight")
     kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.get("rope.freq_base", 10000.0)}
-    kwargs["tie_word_embeddings"] = not any(t["name"] == "output.weight" for t in table["tensors"])
+    names = {t["name"] for t in table["tensors"]}
+    kwargs["tie_word_embeddings"] = "output.weight" not in names
+    kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    if "attention.key_length" in fields:
+        kwargs["head_dim"] = int(fields["attention.key_length"])
     config = AutoConfig.for_model(model_type, **kwargs)
     config.architectures = [MODEL_TYPES[model_type]]
     return config

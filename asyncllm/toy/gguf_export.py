@@ -21,10 +21,15 @@ import torch
 _LAYER_TENSORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                   "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                   "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                  "mlp.down_proj": "ffn_down"}
+                  "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 # model_type -> (llama.cpp architecture, per-layer names that differ from Llama's, norms stored as 1 + w)
 _ARCHITECTURES = {
     "llama": ("llama", {}, False), "mistral": ("llama", {}, False), "granite": ("granite", {}, False),
+    "smollm3": ("smollm3", {}, False), "cohere": ("command-r", {}, False), "gemma": ("gemma", {}, True),
+    "olmo2": ("olmo2", {"post_attention_layernorm": "post_attention_norm",
+                        "post_feedforward_layernorm": "post_ffw_norm"}, False),
+    "glm4": ("glm4", {"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
+                      "post_mlp_layernorm": "post_ffw_norm", "mlp.gate_up_proj": "ffn_up"}, False),
     "phi3": ("phi3", {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}, False),
     "gemma2": ("gemma2", {"post_attention_layernorm": "post_attention_norm",
                           "pre_feedforward_layernorm": "ffn_norm",
@@ -32,7 +37,7 @@ _ARCHITECTURES = {
 }
 
 
-_PERMUTED = ("llama", "granite")  # architectures llama.cpp converts as Llama: q/k rows interleaved
+_PERMUTED = ("llama", "granite", "smollm3")  # architectures llama.cpp converts as Llama: q/k rows interleaved
 
 
 def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -67,17 +72,22 @@ def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32", tokenizer_p
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None)
                                     or config.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch != "command-r":  # Cohere's norm is a LayerNorm: its epsilon has the other key (below)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     params = dict(getattr(config, "rope_parameters", None) or {})
     writer.add_rope_dimension_count(int(head_dim * float(params.get("partial_rotary_factor", 1.0) or 1.0)))
-    if arch == "gemma2":  # what llama.cpp's converter writes for Gemma 2
+    if arch in ("gemma", "gemma2"):  # what llama.cpp's converter writes for Gemma
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "gemma2":
         writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(int(config.sliding_window))
+    if arch == "command-r":
+        writer.add_logit_scale(float(config.logit_scale))
+        writer.add_layer_norm_eps(float(config.layer_norm_eps))
     if arch == "granite":  # the converter's names for Granite's multipliers
         writer.add_attention_scale(float(config.attention_multiplier))
         writer.add_embedding_scale(float(config.embedding_multiplier))

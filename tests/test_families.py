@@ -206,3 +206,42 @@ def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_pat
                     param.copy_(torch.from_numpy(gguf_package.quants.dequantize(packed, kind_q8)).reshape(param.shape))
     expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=model)
     assert got == expected
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_blocks_behind_every_window_are_given_back(backend, model_dir_factory):
+    """Mistral with an 8-token window in every layer: once its prompt is in, a sequence holds only the
+    blocks its window can reach (here at most 4 of 4 tokens, where 60 new tokens after a 40-token
+    prompt would otherwise hold 25), and the tokens still equal transformers' (no kernel reads a
+    released block)."""
+    from kernel_cases import DEVICE
+
+    model_dir = model_dir_factory("mistral_window")
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, attention_backend=backend, device=str(DEVICE))
+    assert llm.engine.kv.window == 8
+    batch = [prompts("mistral_window")[-1], prompts("mistral_window")[2]]  # 40 and 9 tokens
+    used: list[int] = []
+    original_step = llm.engine.step
+
+    def watching_step():
+        result = original_step()
+        used.append(llm.engine.kv.num_used_blocks)
+        return result
+
+    llm.engine.step = watching_step
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == fresh_reference_greedy(model_dir, batch, 60)
+    assert max(used[1:-1]) <= 2 * (8 // 4 + 2)  # after the prefill step: each sequence its window's blocks
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_released_blocks_and_forks_agree(model_dir_factory):
+    """n=3 children fork a windowed sequence's table after its prompt's blocks were released: each
+    child shares only the live blocks, and every child equals transformers."""
+    model_dir = model_dir_factory("mistral_window")
+    llm = LLM(str(model_dir), dtype="float32", block_size=4)
+    prompt = prompts("mistral_window")[-1]
+    (out,) = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True))
+    expected = fresh_reference_greedy(model_dir, [prompt], 30)[0]
+    assert [c.token_ids for c in out.outputs] == [expected] * 3
+    assert llm.stats()["kv_blocks_used"] == 0

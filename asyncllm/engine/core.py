@@ -93,7 +93,9 @@ class EngineCore:
 
     def _build_scheduling_state(self) -> None:
         config = self.config
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        windows = self.runner.shape.layer_windows  # every layer windowed: blocks behind the widest are freed
+        window = max(windows) if windows and all(w is not None for w in windows) else None
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window)
         step_budget = StepBudget(self.step_time, config.max_itl_ms) if config.max_itl_ms is not None else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.token_budget, config.max_loras, step_budget)
         self.block_table_rows = BlockTableRows(config.max_num_seqs)
@@ -242,6 +244,7 @@ class EngineCore:
             # drafts verified this step count as computed only once accepted (_sample_and_update)
             seq.num_computed_tokens += min(n, seq.num_tokens - seq.num_computed_tokens)
             self.kv.cache_full_blocks(seq)
+            self.kv.release_outside_window(seq)
             if prompt_plan is not None:
                 row, lo, hi = prompt_plan
                 k = seq.params.prompt_logprobs

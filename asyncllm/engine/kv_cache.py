@@ -15,8 +15,12 @@ class KVCacheManager:
     copies it needs (copy-on-write of a shared partial block) are queued in ``pending_copies``
     for the model runner to perform before the next forward pass."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
+        """``window``: when every layer of the model attends to at most this many positions, the blocks
+        that fall behind it are given back as sequences advance (:meth:`release_outside_window`)."""
         self.block_size = block_size
+        self.window = window
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -89,8 +93,9 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s blocks and computed tokens (n > 1)."""
-        self.pool.share(parent.block_table)
+        self.pool.share(parent.block_table[parent.num_released_blocks:])
         child.block_table = list(parent.block_table)
+        child.num_released_blocks = parent.num_released_blocks
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.block_keys = list(parent.block_keys)
@@ -105,9 +110,26 @@ class KVCacheManager:
             self.pool.register(seq.block_table[i], seq.block_key(i, self.block_size))
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
+    def release_outside_window(self, seq: Sequence) -> int:
+        """Give back the blocks no layer reads any more: every position before the oldest key the
+        sequence's next query can see (``num_computed_tokens - window + 1``). Their entries stay in the
+        block table (positions still index it; no kernel reads before a window's first block), and a
+        full block stays in the prefix cache until its slot is needed. Returns how many were released."""
+        if self.window is None:
+            return 0
+        keep_from = seq.num_computed_tokens - self.window + 1
+        releasable = min(max(0, keep_from) // self.block_size, len(seq.block_table))
+        if releasable <= seq.num_released_blocks:
+            return 0
+        self.pool.free(reversed(seq.block_table[seq.num_released_blocks:releasable]))
+        count = releasable - seq.num_released_blocks
+        seq.num_released_blocks = releasable
+        return count
+
     def free(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks (tail first, see BlockPool.free) and reset its progress."""
-        self.pool.free(reversed(seq.block_table))
+        self.pool.free(reversed(seq.block_table[seq.num_released_blocks:]))
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

@@ -61,6 +61,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.num_released_blocks = 0  # leading block-table entries given back (behind a sliding window)
         self.block_keys: list[BlockKey] = []   # keys of this sequence's full blocks, computed lazily
         self.num_registered_blocks = 0         # full blocks already offered to the prefix cache
         self.status = SequenceStatus.WAITING

@@ -36,15 +36,19 @@ def _dot(a, b, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, q_pos, m_i, l_i, acc, keys, kv_end, table, k_head, v_head, stride_kb, stride_ks, stride_vb,
+def _attend_tile(q, q_pos, m_i, l_i, acc, keys, kv_lo, kv_end, table, k_head, v_head, stride_kb, stride_ks, stride_vb,
                  stride_vs, dims, dim_ok, scale_log2, window, softcap, BLOCK_SIZE: tl.constexpr,
                  UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr):
     """One step of the online softmax: the rows' scores against key positions ``keys``, found
     through the block table; returns the updated (running max, running sum, unnormalised output).
     ``HAS_WINDOW``: a row sees only the last ``window`` positions up to its own; ``HAS_SOFTCAP``:
-    scores pass through ``softcap * tanh(score / softcap)`` before the softmax."""
+    scores pass through ``softcap * tanh(score / softcap)`` before the softmax. Keys before ``kv_lo``
+    (the window's start for the block's first query) are not even loaded: their blocks may have been
+    given back to the pool (engine/kv_cache.py, release_outside_window)."""
     key_ok = keys < kv_end
+    if HAS_WINDOW:
+        key_ok = key_ok & (keys >= kv_lo)
     block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = keys % BLOCK_SIZE
     k = tl.load(k_head + block[None, :] * stride_kb + slot[None, :] * stride_ks + dims[:, None],
@@ -112,9 +116,10 @@ def _paged_attention_kernel(
     # The block's last query bounds the keys it can see; this program takes its share of those tiles.
     kv_end = tl.minimum(seq_len, context + first_query + BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    first_tile = 0
+    kv_lo = 0
     if HAS_WINDOW:  # the block's first query sees nothing before its window: skip those tiles
-        first_tile = tl.maximum(context + first_query - window + 1, 0) // TILE_N
+        kv_lo = tl.maximum(context + first_query - window + 1, 0)
+    first_tile = kv_lo // TILE_N
     tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
@@ -126,8 +131,8 @@ def _paged_attention_kernel(
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
     for tile in range(tile_lo, tile_hi):
-        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, tile * TILE_N + tl.arange(0, TILE_N), kv_end, table,
-                                     k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_ok,
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, tile * TILE_N + tl.arange(0, TILE_N), kv_lo, kv_end,
+                                     table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_ok,
                                      scale_log2, window, softcap, BLOCK_SIZE, UPCAST, IEEE_DOT, HAS_WINDOW,
                                      HAS_SOFTCAP)
 

@@ -125,10 +125,13 @@ def test_length_dependent_rope_keeps_prefix_cache_hits_exact(kind, model_dir_fac
     assert [short_out.outputs[0].token_ids, long_out.outputs[0].token_ids] == fresh
 
 
-@pytest.mark.parametrize("kind", ["llama_bias", "gemma2", "glm4"])
+@pytest.mark.parametrize("kind", ["llama_bias", "gemma2", "gemma3", "glm4", "granite", "cohere", "smollm3",
+                                  "phi4_mini"])
 def test_family_tp2_greedy_equals_transformers(kind, model_dir_factory):
-    """Two CPU ranks (gloo): row-parallel biases kept once (Llama with biases), windows and soft caps on
-    each rank's heads (Gemma 2), a checkpoint-fused gate/up and half-width interleaved rope (GLM-4)."""
+    """Two CPU ranks (gloo), every family that splits: row-parallel biases kept once (Llama with biases),
+    windows and soft caps on each rank's heads (Gemma 2/3), a checkpoint-fused gate/up and half-width
+    interleaved rope (GLM-4), multipliers (Granite), the parallel block and its tied, scaled head
+    (Cohere), layers without rope (SmolLM3), fused q/k/v with partial rotary and longrope (Phi-4-mini)."""
     model_dir = model_dir_factory(kind)
     with LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, block_size=4,
              kv_cache_memory=4 << 20) as llm:

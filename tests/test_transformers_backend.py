@@ -53,7 +53,7 @@ def test_fallback_greedy_equals_transformers(kind, model_dir_factory):
         assert llm.stats()["kv_blocks_used"] == 0
 
 
-@pytest.mark.parametrize("kind", ["starcoder2", "gpt2"])
+@pytest.mark.parametrize("kind", TRANSFORMERS_BACKEND_KINDS)
 def test_fallback_streams_and_server_equal_transformers(kind, model_dir_factory):
     model_dir = model_dir_factory(kind)
     expected = reference(kind, model_dir)

@@ -97,6 +97,7 @@ def test_model_impl_forces_either_path(model_dirs, model_dir_factory):
 
 
 def test_what_the_fallback_does_not_take_is_refused_clearly(model_dir_factory, tmp_path):
+    """int8, TP, and LoRA where the architecture has no PEFT-named projections (GPT-2's fused c_attn)."""
     gpt2 = str(model_dir_factory("gpt2"))
     with pytest.raises(ConfigError, match="quantization='int8'"):
         LLM(gpt2, dtype="float32", quantization="int8")
@@ -131,3 +132,31 @@ def test_load_fails_when_the_paged_path_does_not_reproduce_transformers(model_di
                         lambda self, hidden: original(self, hidden) * 1.5)
     with pytest.raises(ModelLoadError, match="do not reproduce"):
         LLM(str(model_dir_factory("gpt2")), dtype="float32")
+
+
+@pytest.mark.parametrize("kind,targets", [("ernie4_5", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"]),
+                                          ("starcoder2", ["q_proj", "v_proj", "o_proj"])])
+def test_fallback_lora_equals_peft_merged(kind, targets, model_dir_factory, tmp_path):
+    """PEFT adapters on an architecture without a native file: applied by hooks on transformers' own
+    projections, mixed with base-model requests in one batch, equal to PEFT's merged model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model_dir = model_dir_factory(kind)
+    torch.manual_seed(11)
+    peft_model = get_peft_model(load_reference_model(model_dir), LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name:
+                param.mul_(3.0)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=peft_model.merge_and_unload())
+    assert expected != reference(kind, model_dir)
+    llm = LLM(str(model_dir), dtype="float32")
+    assert set(targets) <= set(llm.engine.runner.lora.layout.targets)
+    llm.add_lora("a", str(tmp_path / "adapter"))
+    count = len(prompts(kind))
+    mixed = llm.generate(prompts(kind) * 2, GREEDY, lora=["a"] * count + [None] * count)  # one batch, both kinds
+    assert [o.outputs[0].token_ids for o in mixed] == expected + reference(kind, model_dir)

@@ -42,6 +42,26 @@ class LoRAWeights:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
+# the engine's fused module -> the PEFT targets it holds, in column order (native families)
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass(frozen=True)
+class LoRALayout:
+    """Where adapters go in a model: the PEFT targets it takes, each one's (in, out) size, and which
+    module applies which targets (a fused projection several, in column order)."""
+
+    targets: tuple[str, ...]
+    shapes: dict[str, tuple[int, int]]
+    parts: dict[str, tuple[str, ...]]
+
+    @classmethod
+    def of(cls, shape: DecoderShape) -> "LoRALayout":
+        """A native family's layout: its declared targets on the engine's fused projections."""
+        return cls(architecture_named(shape.architecture).lora_targets, module_shapes(shape), FUSED_PARTS)
+
+
 def module_shapes(shape: DecoderShape) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every LoRA-able projection of the base model."""
     q, kv, h, i = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.hidden_size, \
@@ -50,9 +70,12 @@ def module_shapes(shape: DecoderShape) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def load_peft_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank: int) -> LoRAWeights:
-    """Load and validate a PEFT adapter for a base model of ``shape``."""
-    allowed = architecture_named(shape.architecture).lora_targets
+def load_peft_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank: int,
+                      layout: LoRALayout | None = None) -> LoRAWeights:
+    """Load and validate a PEFT adapter for a base model of ``shape`` (``layout``: where adapters go;
+    default: the native family's)."""
+    layout = layout or LoRALayout.of(shape)
+    allowed = layout.targets
     if not allowed:
         raise LoRAError(f"adapter {name!r}: LoRA adapters are not supported for this architecture "
                         f"({shape.architecture}) yet (docs/models.md)")
@@ -64,7 +87,7 @@ def load_peft_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank
                         else f"adapter {name!r}: invalid rank {rank}")
     targets = _targets(name, config, allowed)
     pairs = _read_tensors(name, root / "adapter_model.safetensors")
-    weights = _build(name, config, pairs, shape, max_rank)
+    weights = _build(name, config, pairs, shape, max_rank, layout.shapes)
     found = tuple(sorted({t for _, t in weights}))
     if not found:
         raise LoRAError(f"adapter {name!r} holds no LoRA weights for {', '.join(targets)}")
@@ -130,9 +153,8 @@ def _read_tensors(name: str, file: Path) -> dict[tuple[int, str], dict[str, torc
     return pairs
 
 
-def _build(name, config, pairs, shape: DecoderShape, max_rank: int) -> dict:
+def _build(name, config, pairs, shape: DecoderShape, max_rank: int, shapes: dict) -> dict:
     """Check every A/B pair against the base model and fold the LoRA scale into B."""
-    shapes = module_shapes(shape)
     alpha = float(config.get("lora_alpha", config.get("r", 1)))
     weights = {}
     for (layer, target), pair in sorted(pairs.items()):

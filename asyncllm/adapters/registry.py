@@ -18,8 +18,9 @@ class LoRARegistry:
     requests already running keep a reference to the weights they started with.
     """
 
-    def __init__(self, shape: DecoderShape, max_rank: int, max_cpu_loras: int) -> None:
-        self.shape, self.max_rank, self.max_cpu_loras = shape, max_rank, max_cpu_loras
+    def __init__(self, shape: DecoderShape, max_rank: int, max_cpu_loras: int, layout=None) -> None:
+        """``layout``: where adapters go in the model (adapters/peft_loader.py, LoRALayout)."""
+        self.shape, self.max_rank, self.max_cpu_loras, self.layout = shape, max_rank, max_cpu_loras, layout
         self._lock = threading.Lock()
         self._paths: dict[str, str] = {}
         self._loaded: OrderedDict[str, LoRAWeights] = OrderedDict()
@@ -51,7 +52,7 @@ class LoRARegistry:
         path = path or self.path_of(name)
         if path is None:
             raise LoRAError(f"unknown LoRA adapter {name!r} (loaded: {', '.join(self.names()) or 'none'})")
-        weights = load_peft_adapter(name, path, self.shape, self.max_rank)
+        weights = load_peft_adapter(name, path, self.shape, self.max_rank, self.layout)
         with self._lock:
             self._paths[name] = weights.path
             self._loaded[name] = weights

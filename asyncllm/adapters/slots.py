@@ -14,24 +14,23 @@ from ..kernels.ops import use_cpu, use_triton
 from ..kernels import cpu_ops as cpu_kernels
 from ..kernels.transfer import stage, to_device
 from ..model.shape import DecoderShape
-from .peft_loader import LoRAWeights, module_shapes
-
-# our fused module -> the PEFT targets it holds, in column order
-FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+from .peft_loader import LoRALayout, LoRAWeights
 
 
 class LoRASlots:
     """``max_loras`` device slots; an adapter used by a running sequence is never evicted."""
 
     def __init__(self, shape: DecoderShape, max_loras: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype, sharding=None) -> None:
+                 dtype: torch.dtype, sharding=None, layout: LoRALayout | None = None) -> None:
         """``shape``: the rank's local shape; ``sharding`` (tensor parallelism) cuts each adapter's
-        A/B to this rank as it is slotted (distributed/sharding.py)."""
+        A/B to this rank as it is slotted (distributed/sharding.py); ``layout``: which module applies
+        which PEFT targets (default: a native family's fused projections)."""
         self.sharding = sharding
         self.shape, self.max_loras, self.max_rank = shape, max_loras, max_rank
         self.device, self.dtype = device, dtype
-        self.shapes = module_shapes(shape)
+        self.layout = layout or LoRALayout.of(shape)
+        self.parts = self.layout.parts
+        self.shapes = self.layout.shapes
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # allocated on first use
         # per (layer, part): each slot's rank there (0: its adapter does not target the part); CPU kernel input
         self.ranks: dict[tuple[int, str], torch.Tensor] = {}
@@ -43,7 +42,7 @@ class LoRASlots:
 
     def _column_offsets(self) -> dict[str, tuple[str, int, int]]:
         offsets = {}
-        for fused, parts in FUSED_PARTS.items():
+        for fused, parts in self.parts.items():
             start = 0
             for part in parts:
                 size = self.shapes[part][1]
@@ -132,7 +131,7 @@ class LoRASlots:
         for slot, rows in self.groups:
             adapter = self.slot_adapter[slot]
             xs = x.index_select(0, rows)
-            for part in FUSED_PARTS[fused]:
+            for part in self.parts[fused]:
                 pair = adapter.weights.get((layer, part))
                 if pair is None:
                     continue
@@ -145,7 +144,7 @@ class LoRASlots:
     def _apply_cpu(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """The same sum with the C kernel: one call per part covers every adapter's tokens."""
         rows = self.segments[0]
-        for part in FUSED_PARTS[fused]:
+        for part in self.parts[fused]:
             a_stack, b_stack = self.stacks[(layer, part)]
             cpu_kernels.lora_apply(x, y, self._offsets[part][1], a_stack, b_stack.transpose(1, 2),
                                    self.ranks[(layer, part)], rows, self.token_slots)
@@ -156,7 +155,7 @@ class LoRASlots:
 
         rows, starts, slots, longest = self.segments
         x = x.contiguous()
-        for part in FUSED_PARTS[fused]:
+        for part in self.parts[fused]:
             a_stack, b_stack = self.stacks[(layer, part)]
             z = lora_shrink(x, rows, starts, slots, a_stack, longest)
             lora_expand(z, y, self._offsets[part][1], rows, starts, slots, b_stack, longest)

@@ -73,7 +73,10 @@ class EngineCore:
         if config.max_itl_ms is not None:
             calibrate(self.step_time, self.runner, self.token_budget, config.max_num_seqs, self.max_model_len)
         self._build_scheduling_state()
-        self.loras = LoRARegistry(self.runner.shape, config.max_lora_rank, config.max_cpu_loras)
+        # adapters are checked against the whole model (the slots cut them per tensor-parallel rank);
+        # the transformers backend says where they go in its own modules
+        layout = None if self.runner.architecture.native else self.runner.lora.layout
+        self.loras = LoRARegistry(self.runner.shape, config.max_lora_rank, config.max_cpu_loras, layout)
         self.stop_checker = StopChecker(root, self.hf_config, self.max_model_len)
         self.generator = torch.Generator(self.runner.device).manual_seed(config.seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

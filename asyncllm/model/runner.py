@@ -104,6 +104,8 @@ class ModelRunner:
                              if self.platform.decode_stack and self.model_class.fast_paths.decode_stack else None)
         if not self.weight_format.int8 and self.platform.packed_linears:
             self._pack_cpu_linears()
+        if not self.architecture.native:
+            self.model.attach_lora(self.lora)
         self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
 
     def _load_native(self, config: EngineConfig, hf_config, source: ModelSource, max_model_len: int) -> None:
@@ -144,6 +146,9 @@ class ModelRunner:
         self.shape = self.local_shape = verify(self.model, self.block_size, max_model_len)
         self.backend = self.model.backend = build_attention_backend(self.platform, self.local_shape)
         self.weight_format = WeightFormat()
+        # adapters go on transformers' own projections (hooked once the CPU packing has replaced them)
+        self.lora = LoRASlots(self.local_shape, config.max_loras, config.max_lora_rank, self.device, self.dtype,
+                              layout=self.model.lora_layout())
 
     @property
     def length_dependent_rope(self) -> bool:

@@ -18,7 +18,8 @@ head path below does not reproduce. Sliding windows must reach the attention cal
 
 Speed: transformers' modules run eagerly, layer by layer, with separate q/k/v projections and
 none of the engine's fused CPU kernels, the C decode stack or CUDA graphs (docs/models.md has the
-figures). Not available on this path: tensor parallelism, LoRA adapters, int8 weights and GGUF files.
+figures). Not available on this path: tensor parallelism, int8 weights and GGUF files. LoRA adapters apply to
+the projections named as PEFT names Llama's (``q_proj`` ... ``down_proj``), through forward hooks.
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim]
 
 
+def _lora_hook(slots, layer: int, target: str):
+    def hook(module, inputs, output):
+        if slots.groups:
+            x = inputs[0]
+            slots.apply(layer, target, x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1]))
+        return output
+    return hook
+
+
 def register_attention() -> None:
     from transformers import AttentionInterface
 
@@ -92,7 +102,8 @@ class TransformersModel(nn.Module):
     packed_modules: dict = {}
     renamed: dict = {}
     lora_targets: tuple = ()
-    fast_paths = FastPaths(decode_stack=False, cuda_graphs=False, tensor_parallel=False, lora=False)
+    fast_paths = FastPaths(decode_stack=False, cuda_graphs=False, tensor_parallel=False)
+    LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     gguf_architectures: tuple = ()
     rotaries: tuple = ()
 
@@ -156,6 +167,42 @@ class TransformersModel(nn.Module):
                     "attention (model_impl='transformers'; slower than a native family, docs/models.md)",
                     shape.architecture)
         return cls(hf_model, shape, backend)
+
+    # ---- LoRA: PEFT adapters on the model's own projections ----
+
+    def _lora_modules(self) -> dict[tuple[int, str], nn.Module]:
+        """(layer, PEFT target) -> the projection, for the Llama-style names transformers' models use."""
+        found = {}
+        for name, module in self.hf.named_modules():
+            parts = name.split(".")
+            leaf = parts[-1]
+            layer = next((int(p) for p in reversed(parts[:-1]) if p.isdigit()), None)
+            if leaf in self.LORA_MODULES and layer is not None and hasattr(module, "in_features"):
+                found[(layer, leaf)] = module
+        return found
+
+    def lora_layout(self):
+        """Where adapters go: each projection named as PEFT names it applies its own target (the
+        architecture's targets are those every layer has with one size)."""
+        from ..adapters.peft_loader import LoRALayout
+
+        modules = self._lora_modules()
+        shapes: dict[str, tuple[int, int]] = {}
+        for (layer, leaf), module in modules.items():
+            size = (module.in_features, module.out_features)
+            if shapes.setdefault(leaf, size) != size:
+                shapes[leaf] = None  # differs between layers: not a target
+        layers = {layer for layer, _ in modules}
+        targets = tuple(t for t in self.LORA_MODULES if shapes.get(t) is not None
+                        and all((layer, t) in modules for layer in layers))
+        return LoRALayout(targets, {t: shapes[t] for t in targets}, {t: (t,) for t in targets})
+
+    def attach_lora(self, slots) -> None:
+        """Let every target projection add the step's adapter deltas to its output (after any packing:
+        the hooks sit on the modules that run)."""
+        for (layer, leaf), module in self._lora_modules().items():
+            if leaf in slots.layout.targets:
+                module.register_forward_hook(_lora_hook(slots, layer, leaf))
 
     # ---- the forward pass, as the runner calls it ----
 

@@ -175,7 +175,8 @@ _GGUF_CONFIG_KEYS = {"granite": ("attention_multiplier", "embedding_multiplier",
                                                                             "final_logit_softcapping")}
 
 
-@pytest.mark.parametrize("kind", ["phi3", "phi4_mini", "gemma", "gemma2", "granite", "olmo2", "smollm3", "cohere", "glm4"])
+@pytest.mark.parametrize("kind", ["phi3", "phi4_mini", "gemma", "gemma2", "gemma3_6", "granite", "olmo2", "smollm3",
+                                  "cohere", "glm4"])
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_path):
     """A GGUF file written as llama.cpp's converter writes the family (Phi-3's fused attn_qkv/ffn_up,

@@ -15,7 +15,7 @@ _TYPES = ("sliding_attention", "full_attention")
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    gguf_architectures = ()  # its per-layer-type rope is not in what transformers reads from GGUF metadata
+    gguf_architectures = ("gemma3",)  # the config is built from llama.cpp's metadata (model/source.py)
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:

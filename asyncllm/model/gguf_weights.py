@@ -37,7 +37,7 @@ _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # GGUF architectures whose tensors this module maps (each family declares its own: gguf_architectures);
 # only "llama" files carry permuted q/k rows
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "granite", "olmo2", "smollm3", "glm4",
-                               "command-r", "gemma")
+                               "command-r", "gemma", "gemma3")
 _SCALARS = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64", "FLOAT32", "FLOAT64", "BOOL"}
 
 

@@ -36,7 +36,7 @@ HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                      "chat_template.jinja", "chat_template.json", "*.safetensors", "model.safetensors.index.json"]
 GGUF_INFO = "gguf_source.json"
-_GGUF_META_VERSION = "8"  # bump when the cached conversion's content changes
+_GGUF_META_VERSION = "9"  # bump when the cached conversion's content changes
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,7 @@ OWN_GGUF_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
     "smollm3": ("smollm3", {}),  # llama.cpp, like transformers' default, leaves every 4th layer without rope
     "glm4": ("glm4", {}),
     "gemma": ("gemma", {}),
+    "gemma3": ("gemma3_text", {"final_logit_softcapping": "final_logit_softcapping"}),
     "command-r": ("cohere", {"logit_scale": "logit_scale", "attention.layer_norm_epsilon": "layer_norm_eps"}),
 }
 _COMMON_KEYS = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
@@ -226,9 +227,26 @@ def _config_from_metadata(table: dict):
     kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     if "attention.key_length" in fields:
         kwargs["head_dim"] = int(fields["attention.key_length"])
+    if model_type == "gemma3_text":
+        kwargs.update(_gemma3_settings(kwargs, fields))
     config = AutoConfig.for_model(model_type, **kwargs)
     config.architectures = [MODEL_TYPES[model_type]]
     return config
+
+
+def _gemma3_settings(kwargs: dict, fields: dict) -> dict:
+    """Gemma 3 as llama.cpp runs it: every sixth layer global, local layers' rope base 10000, global
+    layers' from the file (linearly scaled when it says so), and the softmax scale of Gemma 2's rule."""
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    full = {"rope_type": "default", "rope_theta": fields.get("rope.freq_base", 1000000.0)}
+    if fields.get("rope.scaling.factor", 1.0) != 1.0:
+        full = {**full, "rope_type": "linear", "factor": fields["rope.scaling.factor"]}
+    big = layers == 62 and hidden == 5376  # the 27B model: hidden / heads, as llama.cpp scales it
+    return {"layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+            "sliding_window": int(fields.get("attention.sliding_window", 4096)),
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": full},
+            "query_pre_attn_scalar": hidden // heads if big else kwargs.get("head_dim", hidden // heads)}
 
 
 def _tokenizer_from_file(file: Path):

@@ -52,6 +52,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}})),
+    # Gemma 3 as llama.cpp lays it out: six layers, every sixth global (its fixed pattern), local rope base 10000
+    "gemma3_6": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=6,
+        tie_word_embeddings=False,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}})),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         num_key_value_heads=2, embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.6,
         logits_scaling=2.0)),

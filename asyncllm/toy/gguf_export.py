@@ -31,6 +31,9 @@ _ARCHITECTURES = {
     "glm4": ("glm4", {"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
                       "post_mlp_layernorm": "post_ffw_norm", "mlp.gate_up_proj": "ffn_up"}, False),
     "phi3": ("phi3", {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}, False),
+    "gemma3_text": ("gemma3", {"post_attention_layernorm": "post_attention_norm",
+                               "pre_feedforward_layernorm": "ffn_norm",
+                               "post_feedforward_layernorm": "post_ffw_norm"}, True),
     "gemma2": ("gemma2", {"post_attention_layernorm": "post_attention_norm",
                           "pre_feedforward_layernorm": "ffn_norm",
                           "post_feedforward_layernorm": "post_ffw_norm"}, True),
@@ -70,18 +73,24 @@ def export_gguf(model_dir: Path, out_file: Path, qtype: str = "F32", tokenizer_p
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None)
-                                    or config.rope_parameters["rope_theta"]))
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers' rope, as the converter
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
     if arch != "command-r":  # Cohere's norm is a LayerNorm: its epsilon has the other key (below)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     params = dict(getattr(config, "rope_parameters", None) or {})
     writer.add_rope_dimension_count(int(head_dim * float(params.get("partial_rotary_factor", 1.0) or 1.0)))
-    if arch in ("gemma", "gemma2"):  # what llama.cpp's converter writes for Gemma
+    if arch in ("gemma", "gemma2", "gemma3"):  # what llama.cpp's converter writes for Gemma
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    if arch == "gemma3" and getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(int(config.sliding_window))

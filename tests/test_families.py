@@ -175,7 +175,7 @@ _GGUF_CONFIG_KEYS = {"granite": ("attention_multiplier", "embedding_multiplier",
                                                                             "final_logit_softcapping")}
 
 
-@pytest.mark.parametrize("kind", ["phi3", "phi4_mini", "gemma", "gemma2", "gemma3_6", "granite", "olmo2", "smollm3",
+@pytest.mark.parametrize("kind", ["llama_bias", "phi3", "phi4_mini", "gemma", "gemma2", "gemma3_6", "granite", "olmo2", "smollm3",
                                   "cohere", "glm4"])
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_path):

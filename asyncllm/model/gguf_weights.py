@@ -154,7 +154,7 @@ def iter_gguf_tensors(file: Path, table: dict, num_heads: int, num_kv_heads: int
         data = np.memmap(file, dtype=np.dtype(entry["dtype"]), mode="r", offset=entry["offset"],
                          shape=tuple(entry["shape"]))
         permute_heads = None
-        if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             permute_heads = num_heads if "q_proj" in name else num_kv_heads
         if (keep_q8_0 and qtype == GGMLQuantizationType.Q8_0 and len(entry["shape"]) == 2
                 and name != "model.embed_tokens.weight"):

@@ -36,7 +36,7 @@ HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", 
                      "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                      "chat_template.jinja", "chat_template.json", "*.safetensors", "model.safetensors.index.json"]
 GGUF_INFO = "gguf_source.json"
-_GGUF_META_VERSION = "9"  # bump when the cached conversion's content changes
+_GGUF_META_VERSION = "10"  # bump when the cached conversion's content changes
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,10 @@ def _convert_gguf_metadata(file: Path, out: Path) -> None:
     if factors is not None:  # llama.cpp's form of llama3 rope scaling: per-frequency divisors (model/rotary.py)
         config.rope_freq_factors = factors
     _apply_missing_metadata(config, table.get("fields", {}))
+    names = {t["name"] for t in table["tensors"]}
+    for key, tensor in (("attention_bias", "blk.0.attn_q.bias"), ("mlp_bias", "blk.0.ffn_down.bias")):
+        if hasattr(config, key):  # transformers' reader does not look: the tensors say whether there are biases
+            setattr(config, key, tensor in names)
     long, short = (read_rope_freqs(file, table, f"rope_factors_{which}.weight") for which in ("long", "short"))
     if long is not None and short is not None:  # Phi-3 longrope (model/rotary.py)
         original = int(table.get("fields", {}).get("rope.scaling.original_context_length", 0)) or None

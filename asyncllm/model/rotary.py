@@ -120,7 +120,11 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = 2 * inv_freq.numel()
         self.interleaved, self.long, self.dynamic = interleaved, long, dynamic
         self.cos = self.sin = None
-        self._dynamic_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dynamic_tables: dict[int, torch.Tensor] = {}  # dynamic NTK: sequence length -> inv_freq
+        # decided once, since every layer asks on every step: "plain" is rotate-half over one table (what the
+        # fused kernels and the decode stack run); "length_dependent" rope depends on each sequence's length
+        self.plain = not interleaved and long is None and dynamic is None
+        self.length_dependent = long is not None or dynamic is not None
 
     @classmethod
     def from_config(cls, config, head_dim: int, max_positions: int, *, layer_type: str | None = None,
@@ -137,15 +141,6 @@ class RotaryEmbedding(nn.Module):
         elif rope_type == "dynamic":
             dynamic = DynamicNTK(config, layer_type, int(config.max_position_embeddings))
         return cls(inv_freq, scaling, max_positions, interleaved=interleaved, long=long, dynamic=dynamic)
-
-    @property
-    def plain(self) -> bool:
-        """Full-width rotate-half rope from one table: what the fused kernels and the decode stack run."""
-        return not self.interleaved and self.long is None and self.dynamic is None
-
-    @property
-    def length_dependent(self) -> bool:
-        return self.long is not None or self.dynamic is not None
 
     def cache_key(self, prompt_len: int) -> int:
         """The rotation a prompt of ``prompt_len`` tokens gets (equal keys: equal rotations)."""
@@ -223,8 +218,8 @@ class RotaryEmbedding(nn.Module):
             if len(self._dynamic_tables) >= _DYNAMIC_CACHE:
                 self._dynamic_tables.clear()
             inv_freq, _ = _call_init("dynamic", self.dynamic.config, self.dynamic.layer_type, seq_len=length)
-            cached = self._dynamic_tables[length] = (inv_freq.to(self.cos.device), None)
-        return cached[0]
+            cached = self._dynamic_tables[length] = inv_freq.to(self.cos.device)
+        return cached
 
 
 def _token_seq_lens(meta, num_tokens: int) -> torch.Tensor:

@@ -68,6 +68,7 @@ class ModelRunner:
         self.shape = self.check(config, hf_config, max_model_len)
         self.tp = tp or SINGLE
         self._agree = agree_num_blocks
+        self._length_dependent: bool | None = None
         self._build(config, hf_config, source, max_model_len)
 
     @staticmethod
@@ -152,8 +153,10 @@ class ModelRunner:
 
     @property
     def length_dependent_rope(self) -> bool:
-        """Whether the model's rope depends on the sequence length (longrope, dynamic NTK)."""
-        return any(r.length_dependent for r in getattr(self.model, "rotaries", ()))
+        """Whether the model's rope depends on the sequence length (longrope, dynamic NTK); read per step."""
+        if self._length_dependent is None:
+            self._length_dependent = any(r.length_dependent for r in getattr(self.model, "rotaries", ()))
+        return self._length_dependent
 
     def rope_cache_key(self, prompt_len: int):
         """What prompt-cached KV must agree on besides its tokens: for length-dependent rope, the

@@ -245,12 +245,18 @@ def _gemma3_settings(kwargs: dict, fields: dict) -> dict:
     full = {"rope_type": "default", "rope_theta": fields.get("rope.freq_base", 1000000.0)}
     if fields.get("rope.scaling.factor", 1.0) != 1.0:
         full = {**full, "rope_type": "linear", "factor": fields["rope.scaling.factor"]}
-    big = layers == 62 and hidden == 5376  # the 27B model: hidden / heads, as llama.cpp scales it
     return {"layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
             "sliding_window": int(fields.get("attention.sliding_window", 4096)),
             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                 "full_attention": full},
-            "query_pre_attn_scalar": hidden // heads if big else kwargs.get("head_dim", hidden // heads)}
+            "query_pre_attn_scalar": _gemma_query_scalar(layers, hidden, heads, kwargs.get("head_dim", hidden // heads))}
+
+
+def _gemma_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> int:
+    """Gemma 2/3's ``query_pre_attn_scalar``, which GGUF does not store: llama.cpp scales by the head size,
+    except for the 27B models (Gemma 2: 46 layers of 4608, Gemma 3: 62 of 5376), by hidden / heads,
+    which is what their checkpoints say."""
+    return hidden // heads if (layers, hidden) in ((46, 4608), (62, 5376)) else head_dim
 
 
 def _tokenizer_from_file(file: Path):
@@ -271,11 +277,9 @@ def _apply_missing_metadata(config, fields: dict) -> None:
         config.sliding_window = int(fields["attention.sliding_window"])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if getattr(config, "model_type", "") == "gemma2" and "attention.key_length" in fields:
-        # GGUF has no query_pre_attn_scalar; llama.cpp scales by the head size, and by hidden / heads for
-        # the 27B model (46 layers of 4608), which is what its checkpoint's value is
-        big = config.num_hidden_layers == 46 and config.hidden_size == 4608
-        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big \
-            else int(fields["attention.key_length"])
+        config.query_pre_attn_scalar = _gemma_query_scalar(config.num_hidden_layers, config.hidden_size,
+                                                           config.num_attention_heads,
+                                                           int(fields["attention.key_length"]))
     rotary = int(fields.get("rope.dimension_count", head_dim))
     if rotary != head_dim and isinstance(getattr(config, "rope_parameters", None), dict):
         config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": rotary / head_dim}

@@ -7,6 +7,7 @@ from typing import Any, Union
 
 from ..errors import InvalidRequestError, short_repr
 from ..tools.prompting import prepare_messages
+from .chat_template import render_chat_template
 from .text import check_utf8
 from .tokenizing import TooManyTokens, encode_text, max_prompt_chars
 
@@ -94,7 +95,8 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
     if is_chat(prompt):
         chat = prompt if isinstance(prompt, ChatPrompt) else ChatPrompt(list(prompt))
         chat.check()
-        text = render_chat(list(chat.messages), tokenizer, tools, tool_parser, chat)
+        text = render_chat(list(chat.messages), tokenizer, tools, tool_parser, chat,
+                           max_chars=_render_limit(tokenizer, max_model_len))
         _check_text_length(text, tokenizer, max_model_len, "messages")
         ids = _encode(tokenizer, text, False, max_model_len)
         if not ids:  # nothing to run: the engine would wait forever for a first token
@@ -127,12 +129,25 @@ def _check_text_length(text: str, tokenizer, max_model_len: int | None, field: s
             f"(this tokenizer covers at most {limit // (2 * max_model_len)} characters per token)", field=field)
 
 
+MIN_RENDER_CHARS = 1 << 16
+
+
+def _render_limit(tokenizer, max_model_len: int | None) -> int | None:
+    """The size bound of a chat's rendering: what could still fit the model. Never below
+    MIN_RENDER_CHARS, so that the template's working values have room and a chat a little too long
+    gets _check_text_length's answer, which names max_model_len."""
+    limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
+    return None if limit is None else max(limit, MIN_RENDER_CHARS)
+
+
 def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = None,
-                tool_parser: str = "hermes", options: ChatPrompt | None = None) -> str:
+                tool_parser: str = "hermes", options: ChatPrompt | None = None, max_chars: int | None = None) -> str:
     """Apply the tokenizer's chat template, ready for the assistant's reply.
 
     Tools (and earlier tool calls) reach the prompt even when the template ignores them: they are
-    then written into the messages in ``tool_parser``'s format (see asyncllm/tools/prompting.py)."""
+    then written into the messages in ``tool_parser``'s format (see asyncllm/tools/prompting.py).
+    The template renders in a sandbox with bounded time and size (asyncllm/frontend/chat_template.py):
+    ``max_chars`` bounds its output (default DEFAULT_MAX_CHARS there); past a bound, a 400."""
     from .messages import validate_messages  # pydantic: imported on the first chat prompt, not with asyncllm
 
     messages = validate_messages(messages)
@@ -141,9 +156,11 @@ def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = 
     messages, tools = prepare_messages(messages, tools, tokenizer, tool_parser)
     options = options or ChatPrompt(messages)
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=options.add_generation_prompt,
-                                             continue_final_message=options.continue_final_message, tokenize=False,
-                                             **options.chat_template_kwargs)
+        return render_chat_template(tokenizer, messages, tools, add_generation_prompt=options.add_generation_prompt,
+                                    continue_final_message=options.continue_final_message,
+                                    template_kwargs=options.chat_template_kwargs, max_chars=max_chars)
+    except InvalidRequestError:  # a bound passed: the message says which
+        raise
     except Exception as exc:  # jinja raises many kinds of errors for malformed messages
         raise InvalidRequestError(f"messages: cannot render the chat template: {exc}", field="messages") from exc
 

@@ -59,9 +59,11 @@ def template_support(tokenizer) -> tuple[bool, bool]:
 
 
 def _renders(tokenizer, messages: list[dict], tools: list | None) -> bool:
+    from ..frontend.chat_template import render_chat_template  # the sandbox, bounded as every rendering is
+
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that chokes on the probe does not render it
+        text = render_chat_template(tokenizer, messages, tools, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that chokes on the probe (or passes a bound) does not render it
         return False
     return _PROBE in text
 

@@ -38,6 +38,9 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 INPUT_WORKERS = 4  # threads that tokenize, render chat templates and compile grammars off the event loop
+# Sequence outputs turned into deltas per turn of the event loop: a step of 2,048 sequences is
+# detokenized in slices, with the loop's other callbacks (the host's own) run between them.
+DELIVER_SLICE = 128
 
 
 class _LoopBridge:
@@ -48,8 +51,23 @@ class _LoopBridge:
         self.processor = processor
         self.events: dict[str, asyncio.Event] = {}
         self.errors: dict[str, BaseException] = {}
+        self._pending: deque[SequenceOutput] = deque()  # delivered, not yet processed (in step order)
 
     def deliver(self, outputs: list[SequenceOutput]) -> None:
+        """Queue one step's outputs; they are processed in order, at most DELIVER_SLICE per loop turn."""
+        draining = bool(self._pending)
+        self._pending.extend(outputs)
+        if not draining:
+            self._drain()
+
+    def _drain(self) -> None:
+        pending = self._pending
+        batch = [pending.popleft() for _ in range(min(DELIVER_SLICE, len(pending)))]
+        if pending:
+            self.loop.call_soon(self._drain)  # after the callbacks already waiting, the host's included
+        self._process(batch)
+
+    def _process(self, outputs: list[SequenceOutput]) -> None:
         try:
             states = self.processor.process(outputs)  # isolates each request's own failures
         except Exception as exc:  # noqa: BLE001 - a bug outside any one request: fail these, not the loop

@@ -9,7 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from .server.limits import DEFAULT_MAX_BODY_BYTES
+from .server.http_limits import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_CONNECTIONS,
+                                 DEFAULT_MAX_HEADER_BYTES)
+from .server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BATCH_INPUTS, DEFAULT_MAX_BODY_BYTES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests queued beyond those running before new ones get 429 (default 4096)")
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest request body accepted, 413 past it (default 4 MiB)")
+    serve.add_argument("--max-batch-inputs", type=int, default=DEFAULT_MAX_BATCH_INPUTS,
+                       help="most prompts x n of one /v1/completions request and inputs of one /v1/embeddings "
+                            "request, 400 past it (default 1024)")
+    serve.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                       help="a POST body must arrive within S seconds, 408 past it (default 60)")
+    serve.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                       help="largest request line plus headers, 400 past it (default 16 KiB)")
+    serve.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                       help="a request's headers must arrive within S seconds, or the connection is closed "
+                            "(default 10)")
+    serve.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
+                       help="idle keep-alive connections are closed after S seconds (default 5)")
+    serve.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       help="open connections plus running requests before new ones get 503 (default 2048)")
     serve.add_argument("--enable-lora-loading", action="append", default=[], metavar="DIR",
                        help="let /v1/load_lora_adapter load adapters from inside DIR (repeatable; off by default)")
     serve.add_argument("--max-restarts", type=int, default=3,

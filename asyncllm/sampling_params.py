@@ -23,6 +23,9 @@ DEFAULT_MAX_N = 128
 # bad_words: how many, and how long each (tokenized at submission, checked every step)
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 256
+# stop strings: how many, and how long each (a stop string's length is text held back from the stream)
+MAX_STOP_STRINGS = 4096
+MAX_STOP_CHARS = 4096
 # beam search: longest stop string (each step decodes a tail this long for every candidate)
 MAX_BEAM_STOP_CHARS = 256
 
@@ -189,6 +192,11 @@ class SamplingParams:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
                 _fail("stop", "expected a non-empty string or a list of non-empty strings")
+            if len(stops) > MAX_STOP_STRINGS:
+                _fail("stop", f"{len(stops)} stop strings, more than the {MAX_STOP_STRINGS} allowed")
+            longest = max(len(s) for s in stops) if stops else 0
+            if longest > MAX_STOP_CHARS:
+                _fail("stop", f"a stop string of {longest} characters, more than the {MAX_STOP_CHARS} allowed")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 _fail("stop_token_ids", "expected a list of token ids")

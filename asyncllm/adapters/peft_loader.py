@@ -111,8 +111,9 @@ def _checked_dir(path: str | Path) -> Path:
 def _read_config(root: Path) -> dict:
     try:
         config = json.loads((root / "adapter_config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise LoRAError(f"cannot read {root / 'adapter_config.json'}: {exc}") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise LoRAError(f"cannot read {root / 'adapter_config.json'}: {exc}") from None
+    _check_config_types(root, config)
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"{root}: peft_type {config.get('peft_type')!r} is not LORA")
     for key, what in _UNSUPPORTED.items():
@@ -121,6 +122,34 @@ def _read_config(root: Path) -> dict:
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         raise LoRAError(f"{root}: LoRA biases are not supported")
     return config
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# adapter_config.json fields this loader reads, and what each must be (PEFT writes these types)
+_CONFIG_FIELDS = {
+    "r": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    "lora_alpha": ("a finite number", _is_number),
+    "target_modules": ("a module name or a list of module names",
+                       lambda v: v is None or isinstance(v, str) or (isinstance(v, list)
+                                                                     and all(isinstance(t, str) for t in v))),
+    "alpha_pattern": ("an object of module names to numbers",
+                      lambda v: v is None or (isinstance(v, dict) and all(_is_number(a) for a in v.values()))),
+    "use_rslora": ("a boolean", lambda v: isinstance(v, bool)),
+    "peft_type": ("a string", lambda v: isinstance(v, str)),
+    "bias": ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _check_config_types(root: Path, config: object) -> None:
+    """A malformed adapter_config.json is a LoRAError naming the field, not a TypeError deep in the loader."""
+    if not isinstance(config, dict):
+        raise LoRAError(f"{root}: adapter_config.json must hold a JSON object")
+    for key, (what, ok) in _CONFIG_FIELDS.items():
+        if key in config and not ok(config[key]):
+            raise LoRAError(f"{root}: adapter_config.json field {key!r} must be {what}, got {config[key]!r:.60}")
 
 
 def _targets(name: str, config: dict, allowed: tuple[str, ...]) -> list[str]:
@@ -170,7 +199,7 @@ def _build(name, config, pairs, shape: DecoderShape, max_rank: int, shapes: dict
                             f"but the base model needs A [r, {in_features}] and B [{out_features}, r]")
         if rank > max_rank:
             raise LoRAError(f"adapter {name!r}: rank {rank} of layer {layer} {target} exceeds max_lora_rank={max_rank}")
-        module_alpha = float(config.get("alpha_pattern", {}).get(target, alpha))
+        module_alpha = float((config.get("alpha_pattern") or {}).get(target, alpha))
         scale = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         weights[(layer, target)] = (a.contiguous(), (b * scale).contiguous())
     return weights

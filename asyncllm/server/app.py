@@ -35,7 +35,7 @@ from .metrics import ServerMetrics
 from .reasoning import PARSERS as REASONING_PARSERS
 from .protocol import (DetokenizeRequest, LoadLoRARequest, ModelCard, ModelList, TokenizeRequest,
                        UnloadLoRARequest)
-from .limits import DEFAULT_MAX_BODY_BYTES, lora_roots, read_json_body, resolve_adapter_path
+from .limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BATCH_INPUTS, DEFAULT_MAX_BODY_BYTES, lora_roots, read_json_body, resolve_adapter_path
 from .serving import ServerContext, parse_body
 
 if TYPE_CHECKING:
@@ -48,7 +48,8 @@ Handler = Callable[[ServerContext, Request], Awaitable[Response]]
 
 def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | None = None, *,
                allow_lora_loading: bool | Iterable[str | Path] | None = False,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_batch_inputs: int = DEFAULT_MAX_BATCH_INPUTS,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                allowed_origins: Iterable[str] | None = None, reasoning_parser: str | None = None,
                pooling: str | None = None) -> Starlette:
     """An OpenAI-compatible Starlette app serving ``llm``; mount it anywhere or run it as is.
@@ -58,6 +59,9 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
     ``Authorization: Bearer <api_key>``. ``allow_lora_loading`` lists the directories that
     ``/v1/load_lora_adapter`` may load adapters from (off by default: the LoRA routes answer 403).
     POST bodies must be JSON (415 otherwise) of at most ``max_body_bytes`` (413 past it).
+    ``max_batch_inputs``: the most prompts (times ``n``) one /v1/completions request and the most
+    inputs one /v1/embeddings request may carry (400 past it). ``body_timeout_s``: a POST body must
+    arrive within this many seconds of the request's start (408 past it).
     ``allowed_origins``: browser origins allowed to call the app (CORS, Starlette's middleware;
     ``["*"]`` for any); None: no CORS headers, as before. ``reasoning_parser`` ("qwen3" or
     "deepseek_r1"): chat answers carry the model's thinking as ``reasoning_content``, apart from
@@ -70,13 +74,19 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
     name = model_name or default_model_name(llm)
     if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1:
         raise ConfigError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    if not isinstance(max_batch_inputs, int) or isinstance(max_batch_inputs, bool) or max_batch_inputs < 1:
+        raise ConfigError(f"max_batch_inputs must be a positive integer, got {max_batch_inputs!r}")
+    if isinstance(body_timeout_s, bool) or not isinstance(body_timeout_s, (int, float)) or not body_timeout_s > 0:
+        raise ConfigError(f"body_timeout_s must be a positive number of seconds, got {body_timeout_s!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     if pooling is not None and pooling not in POOLINGS:
         raise ConfigError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     ctx = ServerContext(llm=llm, model_name=name, api_key=api_key, metrics=ServerMetrics(llm, name),
                         created=int(time.time()), lora_roots=lora_roots(allow_lora_loading),
-                        max_body_bytes=max_body_bytes, reasoning_parser=reasoning_parser, pooling=pooling,
+                        max_body_bytes=max_body_bytes, max_batch_inputs=max_batch_inputs,
+                        body_timeout_s=float(body_timeout_s),
+                        reasoning_parser=reasoning_parser, pooling=pooling,
                         responses=ResponseStore())
 
     def route(path: str, handler: Handler, method: str, *, auth: bool = True) -> Route:
@@ -125,7 +135,7 @@ def _endpoint(ctx: ServerContext, handler: Handler, auth: bool,
             if auth and ctx.api_key is not None:
                 _check_api_key(request, ctx.api_key)
             if json_body:
-                await read_json_body(request, ctx.max_body_bytes)
+                await read_json_body(request, ctx.max_body_bytes, ctx.body_timeout_s)
             return await handler(ctx, request)
         except APIError as exc:
             return exc.response()

@@ -7,7 +7,7 @@ import uuid
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..outputs import RequestOutput
 from .logprobs import chat_logprobs, prompt_logprobs_json
@@ -31,9 +31,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
         return sse_response(_chunks(ctx, body, request_id, model, streams))
     (output,) = await collect(request, streams)
     # logprobs (prompt logprobs above all) decode a token per entry: work that grows with the prompt,
-    # done in the engine's input workers so the event loop keeps serving
-    response = await ctx.llm.offload(_response, ctx, body, request_id, model, output)
-    return JSONResponse(response.model_dump(mode="json"))
+    # done off the event loop
+    return await ctx.json_answer(_response, ctx, body, request_id, model, output)
 
 
 def _response(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, model: str,

@@ -7,7 +7,7 @@ import uuid
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..outputs import CompletionOutput, RequestOutput
 from .logprobs import CompletionLogprobsBuilder, prompt_logprobs_json
@@ -24,17 +24,18 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     lora = ctx.resolve_model(body.model)
     kwargs = body.sampling_kwargs()
+    prompts = body.prompts()
+    ctx.check_batch(len(prompts), "prompt", body.n)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await open_streams(ctx, request, body.prompts(), kwargs, request_id=request_id, lora=lora,
+    streams = await open_streams(ctx, request, prompts, kwargs, request_id=request_id, lora=lora,
                                  tools=None, param_for=body.param_for)
     model = body.model or ctx.model_name
     if body.stream:
         return sse_response(_chunks(ctx, body, request_id, model, streams))
     outputs = await collect(request, streams)
     # logprobs (prompt logprobs above all) decode a token per entry: work that grows with the prompt,
-    # done in the engine's input workers so the event loop keeps serving
-    response = await ctx.llm.offload(_response, ctx, body, request_id, model, outputs)
-    return JSONResponse(response.model_dump(mode="json"))
+    # done off the event loop
+    return await ctx.json_answer(_response, ctx, body, request_id, model, outputs)
 
 
 class _Choice:

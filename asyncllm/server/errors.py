@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable
 
 from pydantic import ValidationError
@@ -53,6 +54,10 @@ def from_validation_error(exc: ValidationError) -> APIError:
     loc = first.get("loc", ())
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first['msg']}")
+    if first.get("type") == "non_finite_number":  # (a nested model reports its path from its own field)
+        inner = first["ctx"]["path"]
+        path = ".".join([*(str(part) for part in loc), inner] if loc else [inner])
+        return APIError(400, f"{path}: NaN and Infinity are not valid JSON numbers", param=path.split(".")[0].split("[")[0])
     if not loc:
         return APIError(400, f"the request body must be a JSON object: {first['msg']}")
     message = first["msg"]
@@ -82,8 +87,8 @@ def from_engine_error(exc: AsyncLLMError, param_for: Callable[[str | None], str 
         if param and exc.field and param != exc.field and message.startswith(f"{exc.field}:"):
             message = f"{param}:{message[len(exc.field) + 1:]}"  # name what the client actually sent
         return APIError(400, message, param=param)
-    if isinstance(exc, LoRAError):
-        return APIError(400, str(exc), param="model")
+    if isinstance(exc, LoRAError):  # (a registered adapter re-read from disk after its eviction, say)
+        return APIError(400, without_host_paths(str(exc)), param="model")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
     if isinstance(exc, EngineOverloadedError):
@@ -94,6 +99,15 @@ def from_engine_error(exc: AsyncLLMError, param_for: Callable[[str | None], str 
     if isinstance(exc, RequestFailedError):
         return APIError(500, str(exc), code="internal_error")
     return APIError(400, str(exc))
+
+
+# an absolute path, quoted or not: POSIX (/srv/a/b) or Windows (C:\\srv\\a)
+_HOST_PATH = re.compile(r"""'(?:/|[A-Za-z]:\\)[^']*'|(?<![\w/.])(?:/|[A-Za-z]:\\)[^\s'":,;]+""")
+
+
+def without_host_paths(message: str) -> str:
+    """``message`` with every absolute path replaced: where files live on the host is not the client's business."""
+    return _HOST_PATH.sub("<adapter directory>", message)
 
 
 async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -7,18 +7,51 @@ that send newer OpenAI fields keep working. Responses serialise exactly the fiel
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..errors import InvalidRequestError
 from ..frontend.messages import ChatMessage, TextContentPart  # noqa: F401 - part of the protocol
 from ..frontend.prompts import ChatPrompt  # noqa: F401 - chat_prompt() returns one
 
 
+# A prompt (text or token ids) or a batch of them. Each list stops at its first bad item: a union tries
+# every alternative, and a 100,000-id list would otherwise collect 100,000 errors as "a list of strings".
+PromptInput = Union[str, Annotated[list[str], Field(fail_fast=True)], Annotated[list[int], Field(fail_fast=True)],
+                    Annotated[list[Annotated[list[int], Field(fail_fast=True)]], Field(fail_fast=True)]]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _finite_numbers(self):
+        """NaN and Infinity are not JSON (the parser accepts them): refused in free-form fields too
+        (metadata, schemas, tool definitions), which would otherwise reach the answer and fail it."""
+        path = non_finite_path(self.__dict__)
+        if path is not None:
+            raise PydanticCustomError("non_finite_number", "{path}: NaN and Infinity are not valid JSON numbers",
+                                      {"path": path})
+        return self
+
+
+def non_finite_path(value: Any) -> str | None:
+    """The path (``a.b[2]``) of the first NaN or infinite float inside ``value``, found without recursion."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                return path.lstrip(".")
+        elif isinstance(node, dict):
+            stack.extend((v, f"{path}.{k}") for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return None
 
 
 class _Response(BaseModel):
@@ -223,7 +256,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` (the legacy text-completion endpoint)."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: PromptInput
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
@@ -254,7 +287,7 @@ class EmbeddingRequest(_Request):
     """``POST /v1/embeddings``."""
 
     model: Optional[str] = None
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None  # accepted and ignored

@@ -17,10 +17,13 @@ events follow OpenAI's sequence: ``response.created``, ``response.in_progress``,
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
+
+from pydantic import Field, StringConstraints
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,7 +52,10 @@ class ResponsesRequest(_Request):
     stream: bool = False
     previous_response_id: Optional[str] = None
     store: bool = True
-    metadata: Optional[dict[str, Any]] = None
+    # OpenAI's bounds: 16 pairs of strings, keys of at most 64 characters and values of at most 512
+    metadata: Optional[Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                                      Annotated[str, StringConstraints(max_length=512)]],
+                                 Field(max_length=16)]] = None
     user: Optional[str] = None  # accepted and ignored
     reasoning: Optional[dict[str, Any]] = None  # accepted; thinking is the model's and the template's affair
 
@@ -158,17 +164,21 @@ class ResponseStore:
     def __init__(self, size: int = STORE_SIZE) -> None:
         self.size = size
         self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._lock = threading.Lock()  # answers are finished in response threads
 
     def get(self, response_id: str) -> list[dict[str, Any]]:
-        if response_id not in self._items:
+        with self._lock:
+            messages = self._items.get(response_id)
+        if messages is None:
             raise InvalidRequestError(f"previous_response_id: no response {response_id!r} is stored (this server "
                                       f"keeps its last {self.size})", field="previous_response_id")
-        return list(self._items[response_id])
+        return list(messages)
 
     def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
-        self._items[response_id] = messages
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+        with self._lock:
+            self._items[response_id] = messages
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
 
 
 async def create_response(ctx: ServerContext, request: Request) -> Response:
@@ -187,11 +197,7 @@ async def create_response(ctx: ServerContext, request: Request) -> Response:
     if body.stream:
         return sse_response(builder.events(streams[0], conversation))
     (output,) = await collect(request, streams)
-    c = output.outputs[0]
-    cached = output.metrics.num_cached_tokens if output.metrics else 0
-    response = builder.finish(builder.items(output), c.finish_reason, len(output.prompt_token_ids),
-                              len(c.token_ids), cached, conversation)
-    return JSONResponse(response)
+    return await ctx.json_answer(builder.whole, output, conversation)
 
 
 class _Builder:
@@ -216,6 +222,13 @@ class _Builder:
                 "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
                 "error": None, "incomplete_details": {"reason": incomplete} if incomplete else None,
                 "usage": usage}
+
+    def whole(self, output: RequestOutput, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+        """The non-streamed answer to ``output`` (built in a response thread)."""
+        c = output.outputs[0]
+        cached = output.metrics.num_cached_tokens if output.metrics else 0
+        return self.finish(self.items(output), c.finish_reason, len(output.prompt_token_ids), len(c.token_ids),
+                           cached, conversation)
 
     def items(self, output: RequestOutput) -> list[dict[str, Any]]:
         c = output.outputs[0]

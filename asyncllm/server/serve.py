@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 
+from .http_limits import HTTPLimits
 from .serve_spec import ServeSpec, engine_extras
 
 GRACEFUL_SHUTDOWN_S = 10
@@ -46,12 +47,13 @@ def main(args: argparse.Namespace) -> None:
         print("asyncllm serve: stopped", file=sys.stderr)
         return
     try:
+        limits = http_limits(args)
         llm, app = spec.build()
     except AsyncLLMError as exc:  # a bad option value: say which, not a traceback
         raise SystemExit(f"asyncllm serve: {exc}") from None
     try:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **limits.uvicorn_options())
         # uvicorn re-raises the signal that stopped it once it has shut down: make SIGTERM end
         # like SIGINT (KeyboardInterrupt, caught below) so the engine is closed and the exit is clean
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -62,6 +64,24 @@ def main(args: argparse.Namespace) -> None:
     finally:
         llm.close()
     print("asyncllm serve: stopped", file=sys.stderr)
+
+
+def http_limits(args: argparse.Namespace) -> HTTPLimits:
+    """The HTTP-layer bounds ``asyncllm serve``'s options ask for (ConfigError naming a bad one)."""
+    from ..errors import ConfigError
+
+    defaults = HTTPLimits()
+    limits = HTTPLimits(max_header_bytes=getattr(args, "max_header_bytes", defaults.max_header_bytes),
+                        header_timeout_s=getattr(args, "header_timeout", defaults.header_timeout_s),
+                        keep_alive_s=getattr(args, "keep_alive_timeout", defaults.keep_alive_s),
+                        max_connections=getattr(args, "max_connections", defaults.max_connections))
+    options = {"max_header_bytes": "--max-header-bytes", "header_timeout_s": "--header-timeout",
+               "keep_alive_s": "--keep-alive-timeout", "max_connections": "--max-connections"}
+    for name, option in options.items():
+        value = getattr(limits, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{option}: must be positive, got {value!r}")
+    return limits
 
 
 def _run_worker_node(args) -> int:

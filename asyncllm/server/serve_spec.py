@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BATCH_INPUTS
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,6 +50,8 @@ class ServeSpec:
                       speculative_config=args.speculative_config, **engine_extras(args))
         app = dict(model_name=args.model_name, api_key=args.api_key,
                    allow_lora_loading=args.enable_lora_loading or False, max_body_bytes=args.max_body_bytes,
+                   max_batch_inputs=getattr(args, "max_batch_inputs", DEFAULT_MAX_BATCH_INPUTS),
+                   body_timeout_s=getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S),
                    allowed_origins=_origins(args.allowed_origins), reasoning_parser=args.reasoning_parser,
                    pooling=args.pooling)
         template = _read_template(args.chat_template) if args.chat_template is not None else None

@@ -9,22 +9,26 @@ Either way the request's generator is closed at once, which aborts it in the eng
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anyio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
+from starlette.responses import Response
 
 from ..errors import AsyncLLMError
 from ..outputs import RequestOutput
 from ..tools import merge_fragments
 from .errors import APIError, ClientDisconnected, from_engine_error, from_validation_error
-from .limits import DEFAULT_MAX_BODY_BYTES
+from .limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BATCH_INPUTS, DEFAULT_MAX_BODY_BYTES, LARGE_BODY_BYTES,
+                     check_body_structure)
 from .metrics import ServerMetrics
 from .protocol import UsageInfo
 
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
     from ..async_llm import AsyncLLM
 
 T = TypeVar("T")
+RESPOND_WORKERS = 4
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -46,9 +51,24 @@ class ServerContext:
     created: int
     lora_roots: tuple[Path, ...] = ()     # where /v1/load_lora_adapter may read from; () = disabled
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_batch_inputs: int = DEFAULT_MAX_BATCH_INPUTS  # prompts x n of /v1/completions, inputs of /v1/embeddings
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S    # a POST body must arrive within this (408 past it)
     reasoning_parser: str | None = None   # "qwen3" / "deepseek_r1": reasoning_content apart (reasoning.py)
     pooling: str | None = None            # /v1/embeddings: "last", "mean" or None (the model's default)
     responses: Any = None                 # /v1/responses: the ResponseStore behind previous_response_id
+    # answers are built in threads of their own: the engine's input workers render chat templates and
+    # compile grammars, and a burst of those must not hold up requests that have finished
+    respond_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        RESPOND_WORKERS, thread_name_prefix="asyncllm-respond"))
+
+    async def json_answer(self, build: Callable[..., Any], *args: Any) -> Response:
+        """``build(*args)`` (a pydantic model or plain data) as a JSON response, built and serialised in the
+        response threads: n x logprobs x tokens of entries must not be assembled on the event loop."""
+        def render() -> bytes:
+            return json_bytes(build(*args))
+
+        loop = asyncio.get_running_loop()
+        return Response(await loop.run_in_executor(self.respond_pool, render), media_type="application/json")
 
     def resolve_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects (None: the base model); 404 if unknown."""
@@ -58,11 +78,47 @@ class ServerContext:
             return name
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
+    def check_batch(self, count: int, param: str, n: int = 1) -> None:
+        """A 400 when a batched request asks for more than ``max_batch_inputs`` engine sequences (one
+        prompt's ``n`` alone is bounded by the engine's ``max_n``)."""
+        if count > 1 and count * n > self.max_batch_inputs:
+            what = f"{count} prompts x n={n}" if n != 1 else f"{count} inputs"
+            raise APIError(400, f"{param}: {what} is more than the {self.max_batch_inputs} one request may ask "
+                           "for; split the batch", param=param)
+
+
+def _dumps(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def json_bytes(data: Any) -> bytes:
+    """A response model (or plain data) as JSON. A long list (2,048 choices or vectors) is serialised one
+    item at a time: one serialisation of all of it holds the GIL, and so the host's loop, for its whole length
+    (64 choices with 20 logprobs per echoed token: ~150 ms)."""
+    if isinstance(data, BaseModel):
+        for name in ("choices", "data", "output"):
+            items = getattr(data, name, None)
+            if isinstance(items, list) and len(items) > 1:
+                head = _dumps(data.model_copy(update={name: []}).model_dump(mode="json"))
+                pieces = [_dumps(item.model_dump(mode="json") if isinstance(item, BaseModel) else item)
+                          for item in items]
+                at = head.index(f'"{name}":[]') + len(name) + 4  # just inside the empty list
+                return (head[:at] + ",".join(pieces) + head[at:]).encode()
+        data = data.model_dump(mode="json")
+    return _dumps(data).encode()
+
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The request's JSON body validated into ``model``; a 400 naming the parameter otherwise."""
+    """The request's JSON body validated into ``model``; a 400 naming the parameter otherwise.
+
+    A large body is first measured (limits.check_body_structure: what it holds bounds the time the
+    parser holds the GIL), then validated, both in a worker thread: the event loop is the host's."""
+    body = await request.body()
     try:
-        return model.model_validate_json(await request.body())
+        if len(body) < LARGE_BODY_BYTES:
+            return model.model_validate_json(body)
+        await anyio.to_thread.run_sync(check_body_structure, body)
+        return await anyio.to_thread.run_sync(model.model_validate_json, body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
 
@@ -105,9 +161,18 @@ async def open_streams(ctx: ServerContext, request: Request, prompts: list[Any],
         raise from_engine_error(exc, param_for) from None
 
 
+# Streams started per turn of the event loop when a batch is submitted: each submission is front-side
+# work on the loop (a short prompt is not worth a thread hop), so a batch of 2,048 is spread out.
+PRIME_GROUP = 16
+
+
 async def _prime_all(streams: list[AsyncIterator[T]]) -> list[AsyncIterator[T]]:
-    tasks = [asyncio.ensure_future(stream.__anext__()) for stream in streams]
+    tasks: list[asyncio.Future] = []
     try:
+        for start in range(0, len(streams), PRIME_GROUP):
+            tasks.extend(asyncio.ensure_future(stream.__anext__()) for stream in streams[start:start + PRIME_GROUP])
+            if len(streams) > PRIME_GROUP:
+                await asyncio.sleep(0)  # this group's submissions run before the next group starts
         firsts = await asyncio.gather(*tasks)
     except BaseException:  # one was refused, or the client left: abort all of them
         for task in tasks:
@@ -149,7 +214,14 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
         finally:
             await stream.aclose()
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tasks: list[asyncio.Task] = []
+
+    async def start_pumps() -> None:  # each pump's first turn hands over a primed delta: start them in groups
+        for start in range(0, len(streams), PRIME_GROUP):
+            tasks.extend(asyncio.create_task(pump(i, streams[i])) for i in range(start, min(len(streams), start + PRIME_GROUP)))
+            await asyncio.sleep(0)
+
+    starter = asyncio.create_task(start_pumps())
     try:
         remaining = len(streams)
         while remaining:
@@ -161,6 +233,8 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
             else:
                 yield i, item
     finally:
+        starter.cancel()
+        await asyncio.gather(starter, return_exceptions=True)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -96,7 +96,7 @@ def _with_dict_arguments(message: dict[str, Any]) -> dict[str, Any]:
         if isinstance(function.get("arguments"), str):
             try:
                 function["arguments"] = json.loads(function["arguments"])
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON (or nested past the decoder): kept as the text
                 pass
         fixed.append({**call, "function": function})
     return {**message, "tool_calls": fixed}

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                        help="a POST body must arrive within S seconds, 408 past it (default 60)")
     serve.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
-                       help="largest request line plus headers, 400 past it (default 16 KiB)")
+                       help="largest request line plus headers, 431 past it (default 16 KiB)")
     serve.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
                        help="a request's headers must arrive within S seconds, or the connection is closed "
                             "(default 10)")

@@ -419,6 +419,8 @@ class EngineCore:
             reason, stop_reason = self.stop_checker.check(seq, token)
             if reason is None and seq.grammar is not None:
                 reason = self._advance_grammar(seq, token)
+            if seq.grammar is not None and seq.grammar.failed:  # gave up (even where EOS said "stop"): an error
+                reason, stop_reason = "error", seq.grammar.failure
             if reason is not None:
                 break
         seq.num_computed_tokens = seq.num_tokens - 1

@@ -16,6 +16,7 @@ from ..engine.request import EngineRequest
 from ..errors import RequestFailedError
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
+from ..structured.state import generation_error
 from ..tools import ToolCall, ToolParser, compact_fragments, parser_class
 from .detokenizer import NO_TEXT, IncrementalDetokenizer, StopStringMatcher
 
@@ -188,6 +189,11 @@ class OutputProcessor:
             self.abort(state.request_id)
 
     def _apply(self, state: RequestState, seq: _SequenceState, out: SequenceOutput, now: float) -> None:
+        if out.finish_reason == "error":  # the grammar engine gave up (structured/state.py): a 400, no text
+            state.error = generation_error(state.params, str(out.stop_reason))
+            if self.abort is not None:
+                self.abort(state.request_id)  # (its other sequences, with n > 1)
+            return
         if out.embedding is not None:
             state.embedding = out.embedding
         if out.prompt_logprobs:

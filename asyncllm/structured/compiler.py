@@ -7,17 +7,24 @@ The result is a :class:`GrammarTemplate` (a pristine matcher); the engine clones
 sequence from it, which costs microseconds, so a compiled grammar is shared by every request that
 asks for the same thing. llguidance was chosen over xgrammar because its compile time does not
 grow with the vocabulary (every tool call brings its own schema): see docs/tools.md for figures.
+
+The grammar engine is native code: limits.py refuses the sources known to crash it, and on every
+cache miss the same compile runs first in a child process (compile_guard.py), so an unknown crash
+or a runaway compile is one request's 400 and the host compiles only what compiled there.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Iterable
 
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
+from .compile_child import compile_grammar
+from .compile_guard import CompileGuard, guard_enabled, tokenizer_json
 from .grammar_engine import llguidance, require_grammar_engine
 from .limits import check_lark, check_schema
 from .schema import JSON_OPTIONS, choice_grammar, closed_objects, parse_schema
@@ -43,10 +50,13 @@ class GrammarCompiler:
     ``vocab_size`` is the model's (it may exceed the tokenizer's, as Qwen pads it): masks cover
     every id the model can emit and forbid those the tokenizer does not define. EOS is allowed only
     where the grammar is complete; ``eos_token_ids`` are all the ids that end a sequence.
+    ``guard``: compile each new grammar in a child process first (compile_guard.py); None follows
+    ``ASYNCLLM_GRAMMAR_GUARD`` (on unless 0). ``guard_time_limit``: seconds a child may compile.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int] = (),
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, guard: bool | None = None,
+                 guard_time_limit: float | None = None) -> None:
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
@@ -56,30 +66,54 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], GrammarTemplate] = OrderedDict()
         self._lock = threading.Lock()
         self._ll_tokenizer = None
+        self._tokenizer_json: str | None = None
+        self._use_guard = guard_enabled() if guard is None else guard
+        self._guard_time_limit = guard_time_limit
+        self._guard: CompileGuard | None = None
 
     def ll_tokenizer(self) -> "llguidance.LLTokenizer":
         """The tokenizer in llguidance's form, built on first use (tens of ms for a 16k vocabulary)."""
         with self._lock:
             if self._ll_tokenizer is None:
-                eos = self.eos_token_ids or None
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                                  eos_token=eos)
+                self._tokenizer_json = tokenizer_json(self.hf_tokenizer)  # the guard's children build theirs from it
+                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                            eos_token=self._eos())
             return self._ll_tokenizer
+
+    def guard(self) -> CompileGuard | None:
+        """The compile guard, made on first use (its children start on its first job); None if off."""
+        if not self._use_guard:
+            return None
+        self.ll_tokenizer()
+        with self._lock:
+            if self._guard is None:
+                kwargs = {} if self._guard_time_limit is None else {"time_limit": self._guard_time_limit}
+                self._guard = CompileGuard(self._tokenizer_json, self.vocab_size, self._eos(), **kwargs)
+                weakref.finalize(self, self._guard.close)  # a compiler dropped without close(): no orphans
+            return self._guard
+
+    def close(self) -> None:
+        """Stop the guard's children (they also end with this process); compiling later starts new ones."""
+        with self._lock:
+            guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.close()
+
+    def _eos(self) -> list[int] | int | None:
+        return self.eos_token_ids or getattr(self.hf_tokenizer, "eos_token_id", None)
 
     def compile_params(self, params: SamplingParams) -> GrammarTemplate | None:
         """The grammar that ``params`` ask for (json_schema, regex, choice or grammar), or None."""
         if params.json_schema is not None:
             schema = parse_schema(params.json_schema, "json_schema")
             check_schema(schema, "json_schema")  # before anything recursive, ours or the compiler's
-            schema = closed_objects(schema)
-            return self._compile("json_schema", json.dumps(schema, ensure_ascii=False), "json_schema",
-                                 lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
+            source = json.dumps(closed_objects(schema), ensure_ascii=False)
+            return self._compile("json_schema", source, "json_schema", (source, JSON_OPTIONS))
         if params.regex is not None:
-            regex = params.regex
-            return self._compile("regex", regex, "regex", lambda: llguidance.LLMatcher.grammar_from_regex(regex))
+            return self._compile("regex", params.regex, "regex", (params.regex,))
         if params.choice is not None:
             lark = choice_grammar(params.choice)
-            return self._compile("lark", lark, "choice", lambda: llguidance.LLMatcher.grammar_from_lark(lark))
+            return self._compile("lark", lark, "choice", (lark,))
         if params.grammar is not None:
             return self.compile_lark(_to_lark(params.grammar), "grammar")
         return None
@@ -87,9 +121,11 @@ class GrammarCompiler:
     def compile_lark(self, lark: str, field: str) -> GrammarTemplate:
         """A Lark grammar (llguidance's dialect: ``%json {...}`` embeds a JSON schema)."""
         check_lark(lark, field)
-        return self._compile("lark", lark, field, lambda: llguidance.LLMatcher.grammar_from_lark(lark))
+        return self._compile("lark", lark, field, (lark,))
 
-    def _compile(self, kind: str, source: str, field: str, build: Callable[[], str]) -> GrammarTemplate:
+    def _compile(self, kind: str, source: str, field: str, args: tuple) -> GrammarTemplate:
+        """The cached template of ``(kind, source)``; on a miss, ``compile_child.compile_grammar(kind,
+        args)``: in a guard child first (a crash or overrun there is this request's 400), then here."""
         require_grammar_engine(field)
         key = (kind, source)
         with self._lock:
@@ -99,14 +135,12 @@ class GrammarCompiler:
                 self.hits += 1
                 return template
         tokenizer = self.ll_tokenizer()
-        try:
-            grammar = build()
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequestError(f"{field}: {exc}", field=field) from None
-        # llguidance compiles in the constructor (without the GIL) and reports errors, not raises
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"{field}: {_first_line(matcher.get_error())}", field=field)
+        guard = self.guard()
+        if guard is not None:
+            guard.check(kind, args, field)  # returns once the same compile succeeded in a child
+        matcher, grammar, error = compile_grammar(tokenizer, kind, args)
+        if matcher is None:
+            raise InvalidRequestError(f"{field}: {error}", field=field)
         if not self._can_start(matcher):
             raise InvalidRequestError(f"{field}: no output can satisfy it (the grammar admits nothing but "
                                       "the end of the text, and the empty text is not a match)", field=field)
@@ -141,9 +175,3 @@ def _to_lark(grammar: str) -> str:
         return any_to_lark(grammar)
     except Exception as exc:  # the converter raises plain exceptions for malformed GBNF
         raise InvalidRequestError(f"grammar: {exc}", field="grammar") from None
-
-
-def _first_line(message: str) -> str:
-    """llguidance's errors end with a source excerpt; the first lines say what is wrong."""
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    return " ".join(lines[:3]) if lines else "invalid grammar"

@@ -5,6 +5,12 @@ constrained rows (and only those) for a bitmask of allowed tokens and sets every
 ``-inf``; unconstrained rows are not touched. After sampling, the engine advances the state with
 the chosen token, exactly once per generated token: a sequence recomputed after preemption keeps
 its state and does not replay tokens it already accepted.
+
+A matcher can give up mid-generation: a per-step resource limit (lexer fuel, Earley items, lexer
+states) runs out while it computes a mask, after which it allows only EOS, or it rejects a token.
+The text can no longer be held to the grammar then, so the engine finishes the sequence with
+reason "error" (:attr:`GrammarState.failed`) and the front ends the request with
+:func:`generation_error`, a 400, rather than a "stop" whose text ignores the grammar.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ..errors import InvalidRequestError
 from ..kernels.transfer import to_device
+from .compile_child import first_line
 from .grammar_engine import llguidance
 
 _executor = None
@@ -53,6 +61,29 @@ class GrammarState:
     @property
     def error(self) -> str:
         return self.matcher.get_error()
+
+    @property
+    def failed(self) -> bool:
+        """The grammar engine gave up on this sequence (a limit ran out computing a mask, or a
+        token was rejected): it stays so, and nothing holds the text to the grammar any more."""
+        return self.matcher.is_error()
+
+    @property
+    def failure(self) -> str:
+        """Why it gave up, in a line (the engine's finish ``stop_reason`` for reason "error"); the
+        parser-state dump llguidance appends (the tokens so far) is left out."""
+        return first_line(self.matcher.get_error().split("<state>", 1)[0])
+
+
+_GRAMMAR_FIELDS = ("json_schema", "regex", "choice", "grammar")
+
+
+def generation_error(params, detail: str) -> InvalidRequestError:
+    """The error a request ends with when its grammar engine gave up during generation
+    (``detail``: :attr:`GrammarState.failure`), naming the field the grammar came from."""
+    field = next((name for name in _GRAMMAR_FIELDS if getattr(params, name, None) is not None), "tools")
+    return InvalidRequestError(f"{field}: the grammar engine gave up on it during generation ({detail}); the "
+                               "output could not be held to it, so none is returned", field=field)
 
 
 def _get_executor() -> "llguidance.LLExecutor":

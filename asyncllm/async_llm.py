@@ -267,6 +267,7 @@ class AsyncLLM:
             self._thread.join()
             self.engine.shutdown()
         self._input_pool.shutdown(wait=False)
+        self.inputs.grammars.close()  # the grammar engine's guard processes
 
     async def __aenter__(self) -> "AsyncLLM":
         return self

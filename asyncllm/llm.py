@@ -135,8 +135,10 @@ class LLM:
             raise EngineDeadError(f"an engine step failed: {exc!r} (the engine was reset)") from exc
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes, if any (they also end with this process)."""
+        """Stop the tensor-parallel worker processes, if any (they also end with this process), and the
+        grammar engine's guard processes."""
         self.engine.shutdown()
+        self.inputs.grammars.close()
 
     def __enter__(self) -> "LLM":
         return self

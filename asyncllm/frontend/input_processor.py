@@ -105,7 +105,8 @@ class InputProcessor:
                 or any(isinstance(item, dict) for item in prompt):
             return True
         for name, value in sampling_kwargs.items():
-            if (name in _STRUCTURED or name == "bad_words") and value:  # compiled / tokenized at submission
+            # compiled / tokenized at submission (an empty schema or regex still compiles: not truthiness)
+            if (name in _STRUCTURED or name == "bad_words") and value is not None and value is not False:
                 return True
             if isinstance(value, (str, list, tuple, dict)) and len(value) > WORKER_FIELD_ITEMS:
                 return True

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .request import Sequence
+from .request import Sequence, SequenceStatus
 
 
 @dataclass
@@ -76,15 +76,23 @@ class BeamGroup:
         self.improvable = True         # transformers' early-stop heuristic, sticky once False
         self._was_full = False         # every slot was finished when this step began
         self._rows: dict[Sequence, torch.Tensor] = {}
+        self._awaited: set[Sequence] = {seqs[0]}  # beams whose row this step still needs
 
     @property
     def sequences(self) -> list[Sequence]:
         return [beam.seq for beam in self.beams] + self.spares
 
+    def awaits(self, seq: Sequence) -> bool:
+        """Whether the next beam step still needs ``seq``'s row (else it is idle: scheduler.py)."""
+        return seq in self._awaited
+
     def offer(self, seq: Sequence, logprobs: torch.Tensor) -> bool:
-        """Record a beam's next-token log-probabilities; True once every beam has its row."""
-        self._rows[seq] = logprobs
-        return all(beam.seq in self._rows for beam in self.beams)
+        """Record a beam's next-token log-probabilities; True once every beam has its row. A row
+        the step does not wait for (a spare's) is dropped."""
+        if seq in self._awaited:
+            self._rows[seq] = logprobs
+            self._awaited.discard(seq)
+        return not self._awaited
 
     def step(self, kv) -> bool:
         """Take one beam step (every beam has offered its row); True when the search is over."""
@@ -115,6 +123,7 @@ class BeamGroup:
         if all_end or not chosen:
             return True
         self._continue(chosen, rows, kv)
+        self._awaited = {beam.seq for beam in self.beams}
         return self._done()
 
     def _add_hypothesis(self, beam: Beam, token: int, score: float, token_logprob: float,
@@ -140,7 +149,11 @@ class BeamGroup:
 
     def _continue(self, chosen: list[tuple[Beam, int, float, float]], rows: torch.Tensor, kv) -> None:
         """Make ``chosen`` (parent, token, score, logprob) the running beams: fork where a parent
-        continues more than once, reusing the sequences of parents that do not continue."""
+        continues more than once, reusing the sequences of parents that do not continue.
+
+        Under KV pressure some beams are preempted (their blocks freed, scheduler.py). A fork of a
+        preempted parent shares nothing and a waiting sequence takes no blocks: either way the
+        child recomputes its tokens when scheduled (prefix-cache hits where they survive)."""
         used = {id(beam) for beam, *_ in chosen}
         free = [beam.seq for beam in self.beams if id(beam) not in used] + self.spares
         self.spares = []
@@ -154,8 +167,14 @@ class BeamGroup:
             seq = free.pop()
             kv.free(seq)
             seq.token_ids = list(beam.seq.token_ids)
-            kv.fork(beam.seq, seq)
+            if seq.status is SequenceStatus.RUNNING:
+                kv.fork(beam.seq, seq)
+            else:  # waiting sequences hold no blocks; its cache keys must be the new tokens'
+                seq.block_keys = list(beam.seq.block_keys)
             placed.append((seq, beam, token, score, logprob))
+        for seq in free:  # fewer continuations than beams (stop strings): spare, without blocks
+            kv.free(seq)
+        self.spares = free
         parent_rows = {id(beam): i for i, beam in enumerate(self.beams)}
         new_beams = []
         for seq, beam, token, score, logprob in placed:

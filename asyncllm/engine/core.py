@@ -17,6 +17,7 @@ import torch
 
 from ..adapters.registry import LoRARegistry
 from ..config import EngineConfig
+from ..errors import InvalidRequestError
 from ..kernels.transfer import to_device
 from ..model.loader import load_hf_config
 from ..model.source import resolve_model_source
@@ -27,7 +28,7 @@ from .speculation import (NgramProposer, SpeculationStats, SpeculativeConfig, gr
                           record_outcome)
 from .kv_cache import KVCacheManager
 from .request import EngineRequest, Sequence, SequenceStatus
-from .scheduler import ScheduledBatch, Scheduler
+from .scheduler import ScheduledBatch, Scheduler, prompt_logprob_rows
 from .step_budget import StepBudget
 from .step_time import StepFeatures, StepTimeModel, calibrate
 from .block_tables import BlockTableRows
@@ -100,7 +101,8 @@ class EngineCore:
         window = max(windows) if windows and all(w is not None for w in windows) else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window)
         step_budget = StepBudget(self.step_time, config.max_itl_ms) if config.max_itl_ms is not None else None
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.token_budget, config.max_loras, step_budget)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.token_budget, config.max_loras, step_budget,
+                                   prompt_logprob_rows(self.vocab_size))
         self.block_table_rows = BlockTableRows(config.max_num_seqs)
 
     def reset(self) -> None:
@@ -131,7 +133,31 @@ class EngineCore:
 
     # ---- thread-safe entry points -------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
+        """Queue ``request``; InvalidRequestError (nothing queued) if it could never be scheduled."""
+        self.check_fits(request)
         self._inbox.put(("add", request))
+
+    def check_fits(self, request: EngineRequest) -> None:
+        """Refuse a request that no schedule could complete: one of its sequences at its longest
+        (prompt plus ``max_tokens - 1`` positions of KV) needs more blocks than the whole cache.
+
+        One sequence fitting alone is enough: sequences are preempted one at a time, beams included
+        (a beam group whose beams do not fit together computes them in turns, scheduler.py), so a
+        request that passes always finishes. The engine's start already refuses a cache smaller
+        than one ``max_model_len`` sequence, so with its own configuration this never triggers;
+        it keeps a request that cannot run from blocking the queue forever."""
+        if self.kv.window is not None:  # blocks behind the window are given back as it advances
+            return
+        block_size, total = self.kv.block_size, self.kv.num_blocks
+        positions = len(request.prompt_token_ids) + max(request.max_tokens, 1) - 1
+        needed = -(-positions // block_size)
+        if needed > total:
+            what = f"each of its {request.params.num_sequences} beams" if request.params.use_beam_search \
+                else "one sequence"
+            raise InvalidRequestError(
+                f"max_tokens: the prompt's {len(request.prompt_token_ids)} tokens and {request.max_tokens} new ones "
+                f"need {needed} KV blocks of {block_size} tokens for {what}, but the KV cache has {total} blocks",
+                field="max_tokens")
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -12,6 +12,19 @@ recomputed later. A waiting request with a better priority than some running one
 to get a seat or blocks. Lower ``priority`` values go first; all requests default to 0 (first come,
 first served).
 
+Beams (engine/beam_search.py) are preempted one at a time like any sequence, so a beam group
+whose beams never fit the cache together still finishes: its beam step waits for every beam's
+row, and a beam that has offered its row is *idle* until then. Idle beams are never scheduled and
+are the first victims among their priority, for running sequences and waiting ones alike: held,
+they would keep out the very beams their group waits for (the deadlock of 5 running / 3 waiting
+beams with every block used). Within a priority, the earliest admitted non-idle sequence is
+preempted only when it runs alone, and one sequence always fits (the engine's start checks it, and
+``EngineCore.check_fits`` each request), so every step advances some sequence.
+
+A sequence that wants prompt logprobs computes at most ``max_prompt_logprob_rows`` of them per
+step, over all sequences (a vocabulary-wide float32 row each; ``prompt_logprob_rows``): its
+prefill is chunked to that, and other streams decode between its chunks.
+
 ``max_num_seqs`` is a hard bound on the running set: a request enters only when all of its ``n``
 sequences fit (the front refuses ``n > max_num_seqs``). The queues are ordered dicts, so taking
 any sequence out (finish, abort, preemption) costs O(1) however many there are.
@@ -59,9 +72,11 @@ class WaitingQueue:
     """Waiting sequences by priority (lower first), first come first served within a priority."""
 
     def __init__(self) -> None:
-        self._levels: dict[int, OrderedDict[Sequence, None]] = {}
+        # per priority: each sequence and the tokens it was counted with (a waiting beam still grows
+        # when its group steps, so its count is the one it entered with)
+        self._levels: dict[int, OrderedDict[Sequence, int]] = {}
         self._order: list[int] = []  # the priorities present, sorted
-        self.num_tokens = 0  # of every waiting sequence (they do not change while waiting)
+        self.num_tokens = 0  # of every waiting sequence, as counted when it entered
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         level = self._levels.get(seq.priority)
@@ -70,7 +85,7 @@ class WaitingQueue:
             bisect.insort(self._order, seq.priority)
         if seq not in level:
             self.num_tokens += seq.num_tokens
-        level[seq] = None
+            level[seq] = seq.num_tokens
         if front:  # a preempted sequence is recomputed before its priority's newcomers
             level.move_to_end(seq, last=False)
 
@@ -78,8 +93,7 @@ class WaitingQueue:
         level = self._levels.get(seq.priority)
         if level is None or seq not in level:
             return
-        del level[seq]
-        self.num_tokens -= seq.num_tokens
+        self.num_tokens -= level.pop(seq)
         if not level:
             del self._levels[seq.priority]
             self._order.remove(seq.priority)
@@ -96,6 +110,27 @@ class WaitingQueue:
         return sum(len(level) for level in self._levels.values())
 
 
+def is_idle_beam(seq: Sequence) -> bool:
+    """A beam its group is not waiting on: it already offered its next-token log-probabilities (or
+    is a spare sequence). It has nothing to compute until the group's next beam step, so it is never
+    scheduled, and it is the first to give up its blocks and seat (its offered row stays with the
+    group; only its KV is recomputed later)."""
+    group = seq.beam_group
+    return group is not None and not group.awaits(seq)
+
+
+# Bound on one step's prompt-logprob rows: each is a float32 row of the vocabulary, materialised
+# beside the step's other logits (a 7,900-token prompt of a 49,152-token vocabulary in one step
+# was 1.5 GB and froze every stream for its duration).
+PROMPT_LOGPROBS_STEP_BYTES = 64 * 2**20
+
+
+def prompt_logprob_rows(vocab_size: int) -> int:
+    """How many prompt positions' logprobs one step may compute: ``PROMPT_LOGPROBS_STEP_BYTES`` of
+    float32 logits rows, at least one."""
+    return max(1, PROMPT_LOGPROBS_STEP_BYTES // (4 * max(vocab_size, 1)))
+
+
 # A request kept out by full LoRA slots may let others with already-slotted adapters pass it, but
 # only for this many steps; then admission turns strictly first-come-first-served until it gets in.
 LORA_MAX_SKIPPED_STEPS = 16
@@ -103,7 +138,10 @@ LORA_MAX_SKIPPED_STEPS = 16
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int = 8, step_budget: StepBudget | None = None) -> None:
+                 max_loras: int = 8, step_budget: StepBudget | None = None,
+                 max_prompt_logprob_rows: int | None = None) -> None:
+        """``max_prompt_logprob_rows``: prompt positions whose logprobs one step may compute, over
+        all sequences (``prompt_logprob_rows``); None: unbounded."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -114,6 +152,8 @@ class Scheduler:
         self.num_reserved = 0  # seats held for children of running leaders, forked after their prefill
         self.num_preemptions = 0
         self._preempted_this_step: set[Sequence] = set()
+        self.max_prompt_logprob_rows = max_prompt_logprob_rows
+        self._prompt_logprob_rows_left = 0  # of this step's bound
 
     @property
     def num_seats_taken(self) -> int:
@@ -131,6 +171,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self._preempted_this_step = set()
+        self._prompt_logprob_rows_left = self.max_prompt_logprob_rows or 0
         preempted, prefilling = self._schedule_decodes(batch)
         allowance = self._prefill_allowance(batch, prefilling)
         preempted = self._schedule_running_prefills(batch, prefilling, allowance) or preempted
@@ -168,7 +209,7 @@ class Scheduler:
         prefilling = []
         tokens = 0
         for seq in list(self.running):
-            if seq not in self.running:  # preempted to make room for an earlier one
+            if seq not in self.running or is_idle_beam(seq):  # preempted for an earlier one; nothing to do
                 continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > 1:
@@ -204,12 +245,16 @@ class Scheduler:
             if seq not in self.running:  # preempted for a decode or an earlier chunk
                 continue
             context = seq.num_computed_tokens
-            num_new = allowance.grant(context, seq.num_tokens - context)
+            wanted = self._prompt_logprob_limit(seq, context, seq.num_tokens - context)
+            if wanted <= 0:  # this step's prompt-logprob rows are taken: the next chunk waits a step
+                continue
+            num_new = allowance.grant(context, wanted)
             if num_new <= 0:
                 break
             if self._allocate_running(seq, num_new, batch):
                 batch.add(seq, num_new)
                 allowance.spend(context, num_new)
+                self._spend_prompt_logprob_rows(seq, context, num_new)
             else:
                 preempted = True
         return preempted
@@ -225,8 +270,9 @@ class Scheduler:
         return True
 
     def _worst_running(self) -> Sequence:
-        """The running sequence to preempt first: the worst priority, the newest among equals."""
-        return max(reversed(self.running), key=lambda s: s.priority)
+        """The running sequence to preempt first: the worst priority; among equals an idle beam
+        (``is_idle_beam``), then the newest."""
+        return max(reversed(self.running), key=lambda s: (s.priority, is_idle_beam(s)))
 
     def _schedule_waiting(self, batch: ScheduledBatch, allowance: PrefillAllowance) -> None:
         loras = self.loras_in_use()
@@ -236,8 +282,12 @@ class Scheduler:
                 break
             if seq in self._preempted_this_step:  # not back in the step that just pushed it out
                 continue
+            if is_idle_beam(seq):  # its row is in: nothing to recompute before its group steps
+                continue
+            if self._prompt_logprob_limit(seq, seq.num_computed_tokens, 1) <= 0:
+                continue  # this step's prompt-logprob rows are taken; it keeps its place
             seats = 1 + len(seq.pending_children)
-            if self.num_seats_taken + seats > self.max_num_seqs and not self._outranks_running(seq):
+            if self.num_seats_taken + seats > self.max_num_seqs and self._victim_for(seq) is None:
                 break
             if seq.lora_id is not None and seq.lora_id not in loras and len(loras) >= self.max_loras:
                 seq.lora_wait_steps += 1  # no free LoRA slot: let others pass, but not forever
@@ -264,7 +314,7 @@ class Scheduler:
                 fresh = seq.num_computed_tokens == 0 and not seq.block_table
                 cached = self.kv.find_cached_prefix(seq) if fresh else []
                 context = len(cached) * self.kv.block_size if fresh else seq.num_computed_tokens
-                num_new = allowance.grant(context, seq.num_tokens - context)
+                num_new = allowance.grant(context, self._prompt_logprob_limit(seq, context, seq.num_tokens - context))
                 if num_new <= 0:
                     return None
                 if self.kv.allocate(seq, num_new, cached):
@@ -278,17 +328,43 @@ class Scheduler:
         self.running[seq] = None
         self.num_reserved += len(seq.pending_children)
         allowance.spend(context, num_new)
+        self._spend_prompt_logprob_rows(seq, context, num_new)
         return num_new
 
-    def _outranks_running(self, seq: Sequence) -> bool:
-        """Whether some running sequence has a worse priority than ``seq`` (and may be preempted for it)."""
-        return bool(self.running) and self._worst_running().priority > seq.priority
+    def _prompt_logprob_limit(self, seq: Sequence, context: int, wanted: int) -> int:
+        """``wanted`` prompt tokens (after ``context`` computed ones) cut so that the logprob rows
+        of the chunk fit what is left of this step's bound (positions already reported, being
+        recomputed after a preemption, need no rows)."""
+        if self.max_prompt_logprob_rows is None or not seq.wants_prompt_logprobs:
+            return wanted
+        free = max(seq.prompt_logprob_pos - context, 0)
+        return min(wanted, free + self._prompt_logprob_rows_left)
+
+    def _spend_prompt_logprob_rows(self, seq: Sequence, context: int, num_new: int) -> None:
+        """Count the logprob rows a chunk computes (the rows EngineCore._plan_logits asks for)."""
+        if self.max_prompt_logprob_rows is None or not seq.wants_prompt_logprobs:
+            return
+        lo = max(context, seq.prompt_logprob_pos)
+        hi = min(context + num_new, seq.num_prompt_tokens - 1)
+        self._prompt_logprob_rows_left -= max(hi - lo, 0)
+
+    def _victim_for(self, seq: Sequence) -> Sequence | None:
+        """The running sequence a waiting ``seq`` may preempt: the worst running one if its priority
+        is worse, or if it is an idle beam of the same priority (idle beams holding the pool must
+        not keep out the sequences their groups wait for: that was a deadlock)."""
+        if not self.running:
+            return None
+        worst = self._worst_running()
+        if worst.priority > seq.priority or (worst.priority == seq.priority and is_idle_beam(worst)):
+            return worst
+        return None
 
     def _preempt_for(self, seq: Sequence, batch: ScheduledBatch) -> bool:
-        """Preempt the worst running sequence if its priority is worse than ``seq``'s."""
-        if not self._outranks_running(seq):
+        """Preempt the running sequence ``seq`` may displace (``_victim_for``), if any."""
+        victim = self._victim_for(seq)
+        if victim is None:
             return False
-        self._preempt(self._worst_running(), batch)
+        self._preempt(victim, batch)
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch | None = None) -> None:

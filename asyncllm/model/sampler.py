@@ -235,15 +235,27 @@ def _top_logprobs(host: np.ndarray, rows: list[SamplingRow], k_max: int) -> list
     return result
 
 
+# Rows of prompt logits log-softmaxed at once: the float32 copies beside the logits stay this small
+# however many positions a step carries (the scheduler bounds those too, engine/scheduler.py).
+PROMPT_LOGPROBS_SLICE_BYTES = 8 * 2**20
+
+
 def prompt_logprobs(raw_logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[dict[int, float]]:
-    """For each position, the logprob of the prompt's actual next token plus the top-``k``."""
-    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
-    actual = logprobs.gather(1, to_device(next_token_ids, logprobs.device)[:, None])
-    columns = [actual.double()]
-    if k:
-        top_values, top_ids = logprobs.topk(k, dim=-1)
-        columns += [top_ids.double(), top_values.double()]
-    host = to_host(torch.cat(columns, dim=1))  # one copy back
+    """For each position, the logprob of the prompt's actual next token plus the top-``k``; worked
+    through in slices of ``PROMPT_LOGPROBS_SLICE_BYTES`` of float32 rows (row by row the same values)."""
+    if not next_token_ids:
+        return []
+    step = max(1, PROMPT_LOGPROBS_SLICE_BYTES // (4 * raw_logits.shape[1]))
+    targets = to_device(next_token_ids, raw_logits.device)[:, None]
+    parts = []
+    for lo in range(0, len(next_token_ids), step):
+        logprobs = torch.log_softmax(raw_logits[lo:lo + step].float(), dim=-1)
+        columns = [logprobs.gather(1, targets[lo:lo + step]).double()]
+        if k:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            columns += [top_ids.double(), top_values.double()]
+        parts.append(torch.cat(columns, dim=1))  # [rows, 1 + 2k] doubles: small
+    host = to_host(torch.cat(parts))  # one copy back
     result = []
     for i, token in enumerate(next_token_ids):
         entry = {token: float(host[i, 0])}

@@ -194,6 +194,53 @@ def test_malformed_values_are_400s_not_500s(app, llm, route, raw):
     assert response.status_code == 400, response.text[:300]
 
 
+# ---- grammars and templates: deep chains and template payloads -------------------------------------------
+
+def _chain_schema(links: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
+            for i in range(links)}
+    defs[f"d{links}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+@HOSTILE_SETTINGS
+@given(links=st.sampled_from([2, 50, 1_000, 3_000]), where=st.sampled_from(["chat", "responses", "lark"]))
+def test_reference_and_rule_chains(app, llm, links, where):
+    if where == "chat":
+        route, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                               "response_format": {"type": "json_schema", "json_schema": {
+                                                   "name": "c", "schema": _chain_schema(links)}}}
+    elif where == "responses":
+        route, body = "/v1/responses", {"input": "hi", "max_output_tokens": 4, "text": {"format": {
+            "type": "json_schema", "name": "c", "schema": _chain_schema(links)}}}
+    else:
+        rules = "\n".join(f'r{i}: r{i + 1} | "x{i}"' for i in range(links)) + f'\nr{links}: "end"'
+        route, body = "/v1/completions", {"prompt": "hi", "max_tokens": 4, "guided_grammar": "start: r0\n" + rules}
+    response, worst = hostile_call(app, llm, route, body)
+    assert response.status_code == (200 if links <= 50 else 400), response.text[:300]
+    assert worst < MAX_GAP_S, f"the host's loop waited {worst * 1000:.0f} ms"
+
+
+template_payloads = st.sampled_from([
+    {"chat_template": "{{ 7*7 }}"},
+    {"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"},
+    {"chat_template": "{{ 'x' * 300000000 }}"},
+    {"chat_template": ""},
+    {"tokenize": True}, {"messages": []}, {"add_generation_prompt": "yes"},
+    {"enable_thinking": "{{ 7*7 }}"}, {"anything": ["{% for i in range(10) %}x{% endfor %}"] * 3},
+])
+
+
+@HOSTILE_SETTINGS
+@given(kwargs=template_payloads)
+def test_template_payloads(app, llm, kwargs):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": kwargs}
+    response, worst = hostile_call(app, llm, "/v1/chat/completions", body)
+    reserved = bool(set(kwargs) & {"chat_template", "tokenize", "messages", "add_generation_prompt"})
+    assert response.status_code == (400 if reserved else 200), response.text[:300]
+    assert worst < MAX_GAP_S, f"the host's loop waited {worst * 1000:.0f} ms"
+
+
 # ---- adapters: malformed configs, and no host path in any answer -------------------------------------------
 
 @pytest.mark.parametrize("field, value", [("r", "eight"), ("lora_alpha", [1]), ("target_modules", 5),

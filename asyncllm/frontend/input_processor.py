@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..engine.request import EngineRequest
 from ..errors import InvalidRequestError
@@ -35,8 +35,12 @@ class InputProcessor:
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Iterable[int] = (),
                  tool_parser: str = "hermes", max_n: int = DEFAULT_MAX_N, max_num_seqs: int | None = None,
-                 sampling_defaults: dict[str, Any] | None = None) -> None:
+                 sampling_defaults: dict[str, Any] | None = None,
+                 check_fits: Callable[[EngineRequest], None] | None = None) -> None:
+        """``check_fits``: the engine's own refusal of a request no schedule could complete (KV blocks),
+        run here so that such a request is refused before any front registers it."""
         self.tokenizer = tokenizer
+        self.check_fits = check_fits
         # the checkpoint's generation_config.json values, for requests without a SamplingParams object
         self.sampling_defaults = dict(sampling_defaults or {})
         self.vocab_size = vocab_size
@@ -89,6 +93,8 @@ class InputProcessor:
         if params.bad_words:
             request.bad_words_ids = self._bad_words_ids(params.bad_words)
         request.pooling = pooling
+        if self.check_fits is not None:
+            self.check_fits(request)
         return text, request
 
     def needs_worker(self, prompt: Any, params: SamplingParams | None, sampling_kwargs: dict[str, Any],
@@ -184,7 +190,7 @@ def make_input_processor(engine, tokenizer, tool_parser: str | None = None) -> I
     return InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,
                           eos_token_ids=engine.stop_checker.eos_token_ids, tool_parser=parser,
                           max_n=engine.config.max_n, max_num_seqs=engine.config.max_num_seqs,
-                          sampling_defaults=defaults)
+                          sampling_defaults=defaults, check_fits=getattr(engine, "check_fits", None))
 
 
 PRIORITY_LIMIT = 2**31  # any 32-bit signed value a client may send

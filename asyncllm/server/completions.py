@@ -68,12 +68,12 @@ def _response(ctx: ServerContext, body: CompletionRequest, request_id: str, mode
     choices = []
     for position, output in enumerate(outputs):
         usage.add(position, output)
+        prompt_lps = None  # the prompt's, shared by its n choices (built once: it grows with the prompt)
+        if body.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs_json(ctx.llm.tokenizer, output.prompt_logprobs,
+                                              bool(body.return_tokens_as_token_ids))
         for c in output.outputs:
             text, logprobs = _Choice(ctx, body).render(output, c)
-            prompt_lps = None
-            if body.prompt_logprobs is not None:
-                prompt_lps = prompt_logprobs_json(ctx.llm.tokenizer, output.prompt_logprobs,
-                                                  bool(body.return_tokens_as_token_ids))
             choices.append(CompletionChoice(index=position * body.n + c.index, text=text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, prompt_logprobs=prompt_lps))
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info())

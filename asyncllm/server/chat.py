@@ -54,8 +54,9 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, 
         choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=c.finish_reason))
     prompt_lps = prompt_logprobs_json(ctx.llm.tokenizer, output.prompt_logprobs, as_ids) \
         if body.prompt_logprobs is not None else None
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info(),
-                                  prompt_logprobs=prompt_lps)
+    response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info())
+    response.prompt_logprobs = prompt_lps  # ours, already of the field's shape (validation would hold the GIL)
+    return response
 
 
 async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, model: str,

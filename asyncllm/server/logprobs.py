@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import weakref
 from typing import Any, Optional
 
 from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
@@ -20,7 +23,24 @@ def token_text(tokenizer, token_id: int, as_id: bool = False) -> str:
     character decode to nothing readable."""
     if as_id:
         return f"token_id:{token_id}"
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    return _decoded(tokenizer, token_id)
+
+
+# Each tokenizer's token texts, decoded once: a prompt's logprobs decode ~20 tokens per position,
+# mostly the same few hundred. Held weakly, so a closed engine's tokenizer is not kept alive.
+_TEXTS: "weakref.WeakKeyDictionary[Any, dict[int, str]]" = weakref.WeakKeyDictionary()
+_TEXTS_LOCK = threading.Lock()
+
+
+def _decoded(tokenizer, token_id: int) -> str:
+    texts = _TEXTS.get(tokenizer)
+    if texts is None:
+        with _TEXTS_LOCK:
+            texts = _TEXTS.setdefault(tokenizer, {})
+    text = texts.get(token_id)
+    if text is None:
+        text = texts[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text
 
 
 def _top(entries: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -45,9 +65,16 @@ def prompt_logprobs_json(tokenizer, entries: list[dict[int, float] | None] | Non
     "decoded_token"}}`` for the actual token and the top-k."""
     if entries is None:
         return None
-    return [None if entry is None else
-            {str(tid): {"logprob": _clamp(lp), "decoded_token": token_text(tokenizer, tid, as_ids)}
-             for tid, lp in entry.items()} for entry in entries]
+    out: list[dict[str, dict[str, Any]] | None] = []
+    handed_over = time.perf_counter()
+    for entry in entries:
+        out.append(None if entry is None else
+                   {str(tid): {"logprob": _clamp(lp), "decoded_token": token_text(tokenizer, tid, as_ids)}
+                    for tid, lp in entry.items()})
+        if time.perf_counter() - handed_over > 0.002:  # thousands of positions: let the host's loop in
+            time.sleep(0)
+            handed_over = time.perf_counter()
+    return out
 
 
 def _top_logprob(tokenizer, token_id: int, logprob: float, as_id: bool = False) -> TopLogprob:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 import time
 import weakref
 from typing import Any, Optional
+
+from .raw_json import RawJSON
 
 from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
@@ -60,21 +64,36 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, floa
 
 
 def prompt_logprobs_json(tokenizer, entries: list[dict[int, float] | None] | None,
-                         as_ids: bool = False) -> list[dict[str, dict[str, Any]] | None] | None:
-    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {"logprob",
-    "decoded_token"}}`` for the actual token and the top-k."""
+                         as_ids: bool = False) -> RawJSON | None:
+    """vLLM's ``prompt_logprobs``: per prompt token null (the first) or ``{token id: {"logprob",
+    "decoded_token"}}`` for the actual token and the top-k, as JSON text.
+
+    Written as text, not built as dicts: a 2,000-token prompt's 20 logprobs each are 84,000 dicts, and
+    allocating that many containers sets off the collector's full passes over the host's whole heap
+    (measured: 300 ms with the loop blocked, 75 ms without the collector)."""
     if entries is None:
         return None
-    out: list[dict[str, dict[str, Any]] | None] = []
+    pieces: list[str] = []
     handed_over = time.perf_counter()
     for entry in entries:
-        out.append(None if entry is None else
-                   {str(tid): {"logprob": _clamp(lp), "decoded_token": token_text(tokenizer, tid, as_ids)}
-                    for tid, lp in entry.items()})
+        if entry is None:
+            pieces.append("null")
+        else:
+            pieces.append("{" + ",".join(f'"{tid}":{{"logprob":{_json_float(lp)},"decoded_token":'
+                                         f'{_json_text_of(tokenizer, tid, as_ids)}}}' for tid, lp in entry.items()) + "}")
         if time.perf_counter() - handed_over > 0.002:  # thousands of positions: let the host's loop in
             time.sleep(0)
             handed_over = time.perf_counter()
-    return out
+    return RawJSON("[" + ",".join(pieces) + "]")
+
+
+def _json_float(value: float) -> str:
+    value = _clamp(value)
+    return repr(float(value)) if math.isfinite(value) else repr(_FLOOR)
+
+
+def _json_text_of(tokenizer, token_id: int, as_id: bool) -> str:
+    return json.dumps(token_text(tokenizer, token_id, as_id), ensure_ascii=False)
 
 
 def _top_logprob(tokenizer, token_id: int, logprob: float, as_id: bool = False) -> TopLogprob:

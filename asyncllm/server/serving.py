@@ -32,6 +32,7 @@ from .limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BATCH_INPUTS, DEFAULT_M
                      check_body_structure)
 from .metrics import ServerMetrics
 from .protocol import UsageInfo
+from .raw_json import RawJSON
 
 if TYPE_CHECKING:
     from ..async_llm import AsyncLLM
@@ -106,8 +107,10 @@ def json_bytes(data: Any) -> bytes:
 
 
 def _json_text(value: Any) -> str:
+    if isinstance(value, RawJSON):
+        return str(value)
     if isinstance(value, BaseModel):
-        long = {name: items for name, items in value.__dict__.items() if _is_long(items)}
+        long = {name: items for name, items in value.__dict__.items() if _written_apart(items)}
         if not long:
             return _dumps(value.model_dump(mode="json"))
         # each long field is first a placeholder no client text can contain, then its items
@@ -117,11 +120,17 @@ def _json_text(value: Any) -> str:
             marker = f'"{placeholders[name]}"'
             if text.count(marker) != 1:  # (a field the model renames or hides: serialise it whole)
                 return _dumps(value.model_dump(mode="json"))
-            text = text.replace(marker, _json_list(items))
+            text = text.replace(marker, str(items) if isinstance(items, RawJSON) else _json_list(items))
         return text
     if _is_long(value):
         return _json_list(value)
     return _dumps(value)
+
+
+def _written_apart(value: Any) -> bool:
+    """A field serialised on its own: a long list, raw JSON, or models (which may hold either)."""
+    return _is_long(value) or isinstance(value, RawJSON) or (
+        isinstance(value, list) and bool(value) and isinstance(value[-1], BaseModel))
 
 
 def _is_long(value: Any) -> bool:

@@ -90,11 +90,17 @@ def hostile_call(app, llm, route: str, body: dict | bytes) -> tuple[httpx.Respon
     assert response.status_code != 500 and response.status_code < 500, response.text[:300]
     if response.status_code >= 400:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    deadline = time.monotonic() + 5
-    while llm.stats()["kv_blocks_used"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert llm.engine.kv.num_used_blocks == 0 or llm.engine.kv.pool.enable_caching
+    assert_no_blocks_held(llm)
     return response, worst
+
+
+def assert_no_blocks_held(llm) -> None:
+    """Every KV block is back in the free list (prefix-cached ones included) once the engine settles."""
+    deadline = time.monotonic() + 5
+    while (llm.stats()["kv_blocks_used"] or llm.stats()["num_running"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
 
 
 # ---- batched inputs, stop lists, logprob shapes, within and past the limits -------------------------------
@@ -153,6 +159,40 @@ def test_logprob_shapes(app, llm, n, logprobs, echo, prompt_logprobs):
     assert response.status_code == 200, response.text[:200]
     assert len(response.json()["choices"]) == n
     assert worst < MAX_GAP_S, f"the host's loop waited {worst * 1000:.0f} ms"
+
+
+@pytest.fixture(scope="module")
+def tight(model_dirs):
+    """An app over an engine whose KV cache holds 16 blocks (256 positions): one long beam fits, eight do not."""
+    probe = AsyncLLM(str(model_dirs["llama"]), dtype="float32", max_model_len=256)
+    bytes_per_block = probe.engine.runner.bytes_per_block
+    probe.close()
+    llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32", max_model_len=256, kv_cache_memory=16 * bytes_per_block)
+    yield llm, create_app(llm, model_name="tiny")
+    llm.close()
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(beams=st.sampled_from([2, 8]), prompt_len=st.sampled_from([20, 100]), stream=st.booleans())
+def test_beams_under_kv_pressure_finish(tight, beams, prompt_len, stream):
+    llm, app = tight
+    body = {"prompt": [10 + i % 90 for i in range(prompt_len)], "max_tokens": 150, "n": beams,
+            "use_beam_search": True, "ignore_eos": True, "temperature": 0, "stream": stream}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://host", timeout=120) as client:
+            async with Ticker() as ticker:
+                response = await asyncio.wait_for(client.post("/v1/completions", json=body), 60)
+            return response, ticker.worst
+
+    response, worst = asyncio.run(main())
+    assert response.status_code == 200, response.text[:300]
+    if not stream:
+        assert len(response.json()["choices"]) == beams
+    assert worst < MAX_GAP_S, f"the host's loop waited {worst * 1000:.0f} ms"
+    assert_no_blocks_held(llm)
 
 
 # ---- what a body may hold, NaN, deep nesting ----------------------------------------------------------------

@@ -233,3 +233,18 @@ def test_llm_raises_for_a_matcher_that_gives_up(model_dirs):
         (ok,) = llm.generate(["Hello"], SamplingParams(max_tokens=8, regex="[0-9]{3}"))
         assert len(ok.outputs[0].text) == 3 and ok.outputs[0].text.isdigit()
         llm.inputs.grammars.close()
+
+
+def test_a_worn_grammar_is_compiled_afresh_for_the_next_request(model_dirs):
+    """Clones share llguidance's lexer: the request that wore it out fails, the next one gets a new compile."""
+    with LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=256) as llm:
+        compiler = llm.inputs.grammars
+        _exhausting_template(compiler)
+        worn = compiler._cache[("regex", EXHAUSTING_REGEX)]
+        with pytest.raises(InvalidRequestError, match="gave up"):
+            llm.generate(["Hello"], SamplingParams(temperature=1.0, seed=1, max_tokens=100, regex=EXHAUSTING_REGEX))
+        assert worn.worn
+        (out,) = llm.generate(["Hello"], SamplingParams(temperature=1.0, seed=1, max_tokens=100, regex=EXHAUSTING_REGEX))
+        fresh = compiler._cache[("regex", EXHAUSTING_REGEX)]
+        assert fresh is not worn and not fresh.worn
+        assert out.outputs[0].text.isalpha() and out.outputs[0].text.islower()

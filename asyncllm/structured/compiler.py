@@ -39,9 +39,10 @@ class GrammarTemplate:
     def __init__(self, matcher: "llguidance.LLMatcher", source: str) -> None:
         self._matcher = matcher
         self.source = source  # the llguidance grammar, for debugging and tests
+        self.worn = False     # a clone failed (see GrammarState.failed): compile afresh, do not reuse
 
     def new_state(self) -> GrammarState:
-        return GrammarState(self._matcher.deep_copy())
+        return GrammarState(self._matcher.deep_copy(), self)
 
 
 class GrammarCompiler:
@@ -130,6 +131,9 @@ class GrammarCompiler:
         key = (kind, source)
         with self._lock:
             template = self._cache.get(key)
+            if template is not None and template.worn:  # one request wore its shared lexer out
+                del self._cache[key]
+                template = None
             if template is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1

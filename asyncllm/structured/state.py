@@ -34,10 +34,12 @@ _prefetch_pool: ThreadPoolExecutor | None = None
 class GrammarState:
     """An llguidance matcher that follows one sequence's generated tokens."""
 
-    __slots__ = ("matcher", "prefetched")
+    __slots__ = ("matcher", "prefetched", "template")
 
-    def __init__(self, matcher: "llguidance.LLMatcher") -> None:
+    def __init__(self, matcher: "llguidance.LLMatcher", template=None) -> None:
+        """``template``: the compiled grammar this state was cloned from (told when the state fails)."""
         self.matcher = matcher
+        self.template = template
         self.prefetched: tuple[Future, int] | None = None  # (bitmask being filled, this state's row)
 
     def fork(self) -> "GrammarState":
@@ -45,7 +47,7 @@ class GrammarState:
         a mask being prefetched for the parent is the child's too (same position)."""
         if self.prefetched is not None:  # the worker may still be filling from this matcher
             self.prefetched[0].result()
-        child = GrammarState(self.matcher.deep_copy())
+        child = GrammarState(self.matcher.deep_copy(), self.template)
         child.prefetched = self.prefetched
         return child
 
@@ -65,8 +67,16 @@ class GrammarState:
     @property
     def failed(self) -> bool:
         """The grammar engine gave up on this sequence (a limit ran out computing a mask, or a
-        token was rejected): it stays so, and nothing holds the text to the grammar any more."""
-        return self.matcher.is_error()
+        token was rejected): it stays so, and nothing holds the text to the grammar any more.
+
+        The compiled grammar it came from is then marked worn: clones share llguidance's lexer, so
+        one request that used up its states would fail every later request with the same grammar
+        (a cache hit) at its first token; a worn grammar is compiled afresh on its next use."""
+        if not self.matcher.is_error():
+            return False
+        if self.template is not None:
+            self.template.worn = True
+        return True
 
     @property
     def failure(self) -> str:

@@ -26,7 +26,7 @@ from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 from pydantic import Field, StringConstraints
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..errors import InvalidRequestError
 from ..outputs import RequestOutput

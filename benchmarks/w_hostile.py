@@ -7,7 +7,8 @@ httpx's ASGI transport on this event loop). For each hostile kind, a 10 ms ticke
 ``--background`` streams decode beside it; the hostile request is sent and awaited; then a normal request must be
 answered. Reported per kind: the status the hostile request got, its wall time, the ticker's worst gap (how long
 the host's loop was blocked at once), the other streams' inter-token latency (p50/p99/max), and the KV blocks
-held afterwards. Model: the embedded default model (``make demo``'s), float32.
+held afterwards. Model: the embedded default model (``make demo``'s), float32, ``max_model_len`` 2048 (or the
+model's own, if shorter).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.measure import finish_report, fmt_ms, loadavg, percentile, utc_now
@@ -36,30 +38,32 @@ def _chained_schema(links: int) -> dict[str, Any]:
 
 
 # kind -> (route, body builder); every body stays within the default 4 MiB body limit
-HOSTILE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
-    "batched_prompts": ("/v1/completions", lambda: {"prompt": [[7]] * 50_000, "max_tokens": 1}),
-    "batched_prompts_at_limit": ("/v1/completions", lambda: {"prompt": [[7 + i % 100] for i in range(1024)],
+HOSTILE: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {  # builders take max_model_len
+    "batched_prompts": ("/v1/completions", lambda max_len: {"prompt": [[7]] * 50_000, "max_tokens": 1}),
+    "batched_prompts_at_limit": ("/v1/completions", lambda max_len: {"prompt": [[7 + i % 100] for i in range(1024)],
                                                                "max_tokens": 1}),
-    "embedding_inputs": ("/v1/embeddings", lambda: {"input": [[7]] * 200_000}),
-    "embedding_inputs_at_limit": ("/v1/embeddings", lambda: {"input": [[7 + i % 100, 9] for i in range(1024)]}),
-    "stop_strings": ("/v1/completions", lambda: {"prompt": "hello", "max_tokens": 16,
+    "embedding_inputs": ("/v1/embeddings", lambda max_len: {"input": [[7]] * 200_000}),
+    "embedding_inputs_at_limit": ("/v1/embeddings", lambda max_len: {"input": [[7 + i % 100, 9] for i in range(1024)]}),
+    "stop_strings": ("/v1/completions", lambda max_len: {"prompt": "hello", "max_tokens": 16,
                                                   "stop": [f"s{i}" for i in range(300_000)]}),
-    "n_logprobs_echo": ("/v1/completions", lambda: {"prompt": "hello there", "max_tokens": 16, "n": 64,
+    "n_logprobs_echo": ("/v1/completions", lambda max_len: {"prompt": "hello there", "max_tokens": 16, "n": 64,
                                                      "logprobs": 20, "echo": True}),
-    "chat_messages": ("/v1/chat/completions", lambda: {"messages": [{"role": "user", "content": "hi"}] * 50_000,
+    "chat_messages": ("/v1/chat/completions", lambda max_len: {"messages": [{"role": "user", "content": "hi"}] * 50_000,
                                                        "max_tokens": 1}),
-    "prompt_logprobs": ("/v1/completions", lambda: {"prompt": [10 + i % 200 for i in range(MAX_MODEL_LEN - 48)],
+    "prompt_logprobs": ("/v1/completions", lambda max_len: {"prompt": [10 + i % 200 for i in range(max_len - 48)],
                                                      "max_tokens": 1, "prompt_logprobs": 20}),
-    "deep_guided_json": ("/v1/completions", lambda: {"prompt": "hi", "max_tokens": 4,
+    "echo_logprobs": ("/v1/completions", lambda max_len: {"prompt": [10 + i % 200 for i in range(max_len - 48)],
+                                                   "max_tokens": 1, "echo": True, "logprobs": 20}),
+    "deep_guided_json": ("/v1/completions", lambda max_len: {"prompt": "hi", "max_tokens": 4,
                                                       "guided_json": _deep_json_string(5_000)}),
-    "ref_chain_schema": ("/v1/chat/completions", lambda: {
+    "ref_chain_schema": ("/v1/chat/completions", lambda max_len: {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _chained_schema(1_000)}}}),
-    "template_loop": ("/v1/chat/completions", lambda: {
+    "template_loop": ("/v1/chat/completions", lambda max_len: {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "chat_template_kwargs": {"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}"
                                                   "{% endfor %}{% endfor %}"}}),
-    "huge_logit_bias_key": ("/v1/completions", lambda: {"prompt": "hi", "max_tokens": 1,
+    "huge_logit_bias_key": ("/v1/completions", lambda max_len: {"prompt": "hi", "max_tokens": 1,
                                                          "logit_bias": {"9" * 5_000: 1}}),
 }
 
@@ -102,7 +106,7 @@ async def _background_stream(llm, gaps: list[float], stop: asyncio.Event) -> Non
 
 async def run_kind(llm, client, kind: str, background: int) -> dict[str, Any]:
     route, build = HOSTILE[kind]
-    body = json.dumps(build()).encode()
+    body = json.dumps(build(llm.max_model_len)).encode()
     gaps: list[float] = []
     stop = asyncio.Event()
     streams = [asyncio.ensure_future(_background_stream(llm, gaps, stop)) for _ in range(background)]
@@ -144,7 +148,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from asyncllm.toy.checkpoints import build_demo_model
 
     model_dir = str(args.model_dir or build_demo_model())
-    llm = AsyncLLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", MAX_MODEL_LEN)
+    llm = AsyncLLM(model_dir, dtype="float32", max_model_len=min(MAX_MODEL_LEN, positions))
     results = []
     try:
         app = create_app(llm, model_name="demo")

@@ -346,3 +346,19 @@ def test_w_impl_tiny(model_dirs, tmp_path):
     assert report["throughput_ratio"] == pytest.approx(
         report["transformers"]["tokens_per_s"] / report["native"]["tokens_per_s"], rel=1e-2)
     assert json.loads(out.read_text())["benchmark"] == "W-IMPL"
+
+
+def test_w_hostile_tiny_run(llama_dir, tmp_path):
+    """W-HOSTILE's measurement on the toy model: statuses, the loop's worst wait recorded, nothing held."""
+    from benchmarks import w_hostile
+
+    out = tmp_path / "w_hostile.json"
+    report = w_hostile.main(["--kinds", "batched_prompts,stop_strings,deep_guided_json,prompt_logprobs",
+                             "--background", "1", "--model-dir", str(llama_dir), "--json", str(out)])
+    by_kind = {r["kind"]: r for r in report["results"]}
+    assert [by_kind[k]["status"] for k in ("batched_prompts", "stop_strings", "deep_guided_json")] == [400] * 3
+    assert by_kind["prompt_logprobs"]["status"] == 200
+    for result in report["results"]:
+        assert result["next_request_status"] == 200 and result["blocks_held_after"] == 0
+        assert result["ticker_worst_gap_ms"] >= 0 and result["other_streams_itl_ms"]["count"] > 0
+    assert json.loads(out.read_text())["workload"] == "W-HOSTILE"

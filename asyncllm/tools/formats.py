@@ -20,16 +20,83 @@ MAX_PARALLEL_CALLS = 8  # a forced "required" answer holds at most this many cal
 TokenLookup = Callable[[str], "int | None"]  # a special token's id, or None if the tokenizer has none
 
 
-def _call_schema(function: ToolFunction, arguments_key: str) -> dict[str, Any]:
+def _call_schema(function: ToolFunction, arguments_key: str, arguments: Any) -> dict[str, Any]:
     return {"type": "object",
-            "properties": {"name": {"const": function.name}, arguments_key: function.parameters},
+            "properties": {"name": {"const": function.name}, arguments_key: arguments},
             "required": ["name", arguments_key], "additionalProperties": False}
 
 
 def _body_rule(functions: list[ToolFunction], arguments_key: str) -> str:
-    schemas = [_call_schema(f, arguments_key) for f in functions]
+    definitions: dict[str, Any] = {}
+    schemas = [_call_schema(f, arguments_key, _rebased(f.parameters, f"f{i}_", definitions))
+               for i, f in enumerate(functions)]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if definitions:
+        schema = {**schema, "$defs": definitions}
     return "body: " + lark_json(schema) + "\n"
+
+
+def _rebased(parameters: Any, prefix: str, definitions: dict[str, Any]) -> Any:
+    """``parameters`` ready to sit under the call's ``arguments``, its references still valid.
+
+    A schema's ``$ref``s point from its own root (``#/$defs/City``: pydantic writes every nested model
+    so); nested in the call grammar they would point from the grammar's root and not resolve. So its
+    ``$defs``/``definitions`` move to the grammar's root under ``prefix`` (functions cannot collide),
+    and every local reference is rewritten: into those, or (``#``, ``#/properties/...``) into a copy
+    of the parameters kept there too."""
+    if not isinstance(parameters, dict):
+        return parameters
+    own = {}
+    for key in ("$defs", "definitions"):
+        if isinstance(parameters.get(key), dict):
+            own.update({f"{key}/{name}": value for name, value in parameters[key].items()})
+    body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions") or not isinstance(v, dict)}
+    uses_root = []
+
+    def rewrite(ref: str) -> str:
+        for key in ("$defs", "definitions"):
+            if ref.startswith(f"#/{key}/"):
+                name, _, rest = ref[len(key) + 3:].partition("/")
+                return f"#/$defs/{prefix}{_def_name(key, name)}" + (f"/{rest}" if rest else "")
+        uses_root.append(True)
+        return f"#/$defs/{prefix}root" + ref[1:]
+
+    body = _with_refs(body, rewrite)
+    for qualified, value in own.items():
+        key, name = qualified.split("/", 1)
+        definitions[f"{prefix}{_def_name(key, name)}"] = _with_refs(value, rewrite)
+    if uses_root:
+        definitions[f"{prefix}root"] = body
+    return body
+
+
+def _def_name(key: str, name: str) -> str:
+    # both spellings may hold the same name; JSON-pointer escapes (~0, ~1) stay as they are
+    return name if key == "$defs" else f"definitions_{name}"
+
+
+def _with_refs(value: Any, rewrite: Callable[[str], str]) -> Any:
+    """A copy of ``value`` with every local ``$ref`` (``#...``) passed through ``rewrite`` (no recursion:
+    schemas reach here after limits.check_nesting bounded only their size, not their depth)."""
+    root: dict[str, Any] = {"v": None}
+    stack: list[tuple[Any, Any, Any]] = [(value, root, "v")]
+    while stack:
+        node, parent, key = stack.pop()
+        if isinstance(node, dict):
+            copy: dict[str, Any] = dict.fromkeys(node)  # the keys' order is the properties' order
+            parent[key] = copy
+            for k, v in node.items():
+                if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                    copy[k] = rewrite(v)
+                else:
+                    stack.append((v, copy, k))
+        elif isinstance(node, list):
+            items: list[Any] = [None] * len(node)
+            parent[key] = items
+            stack.extend((v, items, i) for i, v in enumerate(node))
+        else:
+            parent[key] = node
+    return root["v"]
 
 
 def _literal(text: str, special_id: TokenLookup | None) -> str:

@@ -241,6 +241,8 @@ class _Builder:
             items.append(_message_item(f"msg_{self.id[5:]}", text, "completed"))
         for i, call in enumerate(c.tool_calls or []):
             items.append(_call_item(f"fc_{self.id[5:]}_{i}", call.id, call.name, call.arguments, "completed"))
+        if c.finish_reason == "length" and items:  # cut by max_output_tokens: the item being written is not done
+            items[-1]["status"] = "incomplete"
         return items
 
     def finish(self, items: list[dict[str, Any]], reason: str | None, input_tokens: int, output_tokens: int,
@@ -363,11 +365,11 @@ class _StreamState:
                                        output_index=self.items.index(self.message), content_index=0, delta=text))
         return events
 
-    def _close_message(self) -> list[tuple[str, str]]:
-        if self.message is None or self.message["status"] == "completed":
+    def _close_message(self, status: str = "completed") -> list[tuple[str, str]]:
+        if self.message is None or self.message["status"] != "in_progress":
             return []
         index = self.items.index(self.message)
-        self.message["status"] = "completed"
+        self.message["status"] = status
         part = self.message["content"][0]
         return [self.b.event("response.output_text.done", item_id=self.message["id"], output_index=index,
                              content_index=0, text=part["text"]),
@@ -393,10 +395,12 @@ class _StreamState:
         events = self._close_reasoning()
         if self.message is None and not self.calls:  # an empty answer is still a message
             events += self._text("")
-        events += self._close_message()
+        # cut by max_output_tokens: the item being written when it stopped is "incomplete", as OpenAI marks it
+        cut = self.items[-1] if self.finish_reason == "length" and self.items else None
+        events += self._close_message("incomplete" if cut is not None and cut is self.message else "completed")
         for item in self.calls.values():
             index = self.items.index(item)
-            item["status"] = "completed"
+            item["status"] = "incomplete" if item is cut else "completed"
             events.append(self.b.event("response.function_call_arguments.done", item_id=item["id"],
                                        output_index=index, arguments=item["arguments"]))
             events.append(self.b.event("response.output_item.done", output_index=index, item=item))

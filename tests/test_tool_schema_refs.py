@@ -104,3 +104,50 @@ def test_server_forced_calls_with_references(llm, route, stream):
     assert calls
     for name, arguments in calls:
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+FUNCTIONS = [{"name": "plan_trip", "description": "Plan a trip", "parameters": TRIP},
+             {"name": "count", "parameters": SAME_NAMES}]
+
+
+def _chat(llm, body: dict) -> httpx.Response:
+    app = create_app(llm, model_name="tiny")
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://host",
+                                     timeout=60) as client:
+            return await client.post("/v1/chat/completions", json=body)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("function_call", [{"name": "plan_trip"}, {"name": "count"}])
+def test_legacy_functions_answer_with_one_function_call(llm, function_call):
+    body = {"messages": MESSAGES, "functions": FUNCTIONS, "function_call": function_call, "max_tokens": 200,
+            "temperature": 0}
+    whole = _chat(llm, body)
+    assert whole.status_code == 200, whole.text[:300]
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
+    call = choice["message"]["function_call"]
+    assert call["name"] == function_call["name"]
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    streamed = _chat(llm, {**body, "stream": True})
+    deltas = [json.loads(line[6:])["choices"][0] for line in streamed.text.splitlines() if line.startswith("data: {")]
+    pieces = [d["delta"]["function_call"] for d in deltas if "function_call" in d.get("delta", {})]
+    assert pieces[0]["name"] == function_call["name"]
+    assert "".join(p.get("arguments", "") for p in pieces) == call["arguments"]
+    assert deltas[-1]["finish_reason"] == "function_call"
+
+
+@pytest.mark.parametrize("extra, param", [({"tools": [{"type": "function", "function": FUNCTIONS[0]}]}, "functions"),
+                                          ({"function_call": {"name": "nope"}}, "function_call"),
+                                          ({"function_call": {"nam": "count"}}, "function_call")])
+def test_legacy_function_errors_name_the_legacy_fields(llm, extra, param):
+    response = _chat(llm, {"messages": MESSAGES, "functions": FUNCTIONS, "max_tokens": 4, **extra})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text[:300]
+
+
+def test_function_call_without_functions_is_a_400(llm):
+    response = _chat(llm, {"messages": MESSAGES, "function_call": "auto", "max_tokens": 4})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "function_call"

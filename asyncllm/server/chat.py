@@ -25,7 +25,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     kwargs = body.sampling_kwargs()  # its own errors already name the request's parameters
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await open_streams(ctx, request, [body.chat_prompt()], kwargs, request_id=request_id, lora=lora,
-                                 tools=body.tools, param_for=body.param_for)
+                                 tools=body.chat_tools(), param_for=body.param_for)
     model = body.model or ctx.model_name
     if body.stream:
         return sse_response(_chunks(ctx, body, request_id, model, streams))
@@ -48,10 +48,15 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, 
             logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0, as_ids)
         reasoning, text = split_reasoning(ctx.reasoning_parser, c.text) if ctx.reasoning_parser else (None, c.text)
         message = AssistantMessage(content=echoed + text, reasoning_content=reasoning or None)
-        if c.tool_calls:  # as OpenAI: the calls, and content only if the model wrote some besides
+        finish_reason = c.finish_reason
+        if c.tool_calls and body.legacy_functions:  # the older API's shape: one function_call
+            message = AssistantMessage(content=(echoed + text) or None, reasoning_content=reasoning or None,
+                                       function_call=c.tool_calls[0].to_openai()["function"])
+            finish_reason = "function_call" if finish_reason == "tool_calls" else finish_reason
+        elif c.tool_calls:  # as OpenAI: the calls, and content only if the model wrote some besides
             message = AssistantMessage(content=(echoed + text) or None, reasoning_content=reasoning or None,
                                        tool_calls=[t.to_openai() for t in c.tool_calls])
-        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=c.finish_reason))
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason))
     prompt_lps = prompt_logprobs_json(ctx.llm.tokenizer, output.prompt_logprobs, as_ids) \
         if body.prompt_logprobs is not None else None
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info())
@@ -94,11 +99,17 @@ async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
                 yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(reasoning_content=reasoning)))
             if text or logprobs:
                 yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs))
-            if c.tool_calls:  # OpenAI's order: a call's index, id and name first, then argument pieces
+            if c.tool_calls and body.legacy_functions:  # {"name", "arguments": ""} first, then argument pieces
+                for call in c.tool_calls:
+                    yield chunk(ChatChunkChoice(index=c.index,
+                                                delta=DeltaMessage(function_call=call.to_openai_delta()["function"])))
+            elif c.tool_calls:  # OpenAI's order: a call's index, id and name first, then argument pieces
                 calls = [t.to_openai_delta() for t in c.tool_calls]
                 yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(tool_calls=calls)))
             if c.finish_reason is not None:
                 check_not_aborted(delta)
-                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason))
+                finish = "function_call" if body.legacy_functions and c.finish_reason == "tool_calls" \
+                    else c.finish_reason
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=finish))
     if body.include_usage:
         yield chunk(None, usage.info())

@@ -210,6 +210,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
+    # OpenAI's deprecated function calling, which it still accepts: mapped to tools (see chat_tools)
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Union[Literal["none", "auto"], dict[str, Any], None] = None
     # vLLM's chat extras
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: Optional[bool] = None
@@ -223,6 +226,38 @@ class ChatCompletionRequest(_SamplingFields):
         return ChatPrompt([m.to_template_dict() for m in self.messages], add_generation_prompt=add,
                           continue_final_message=self.continue_final_message,
                           chat_template_kwargs=dict(self.chat_template_kwargs or {}))
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request uses ``functions``/``function_call``: the answer then carries ``function_call``."""
+        return self.functions is not None
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """``tools``, or the legacy ``functions`` as tools (one call at most, as that API returns)."""
+        if self.functions is None:
+            if self.function_call is not None:
+                raise InvalidRequestError("function_call: requires functions", field="function_call")
+            return self.tools
+        if self.tools is not None:
+            raise InvalidRequestError("functions: cannot be combined with tools (functions is the older form "
+                                      "of tools: send one of them)", field="functions")
+        if not all(isinstance(f, dict) for f in self.functions):
+            raise InvalidRequestError("functions: expected a list of function objects", field="functions")
+        return [{"type": "function", "function": f} for f in self.functions]
+
+    def _tool_choice(self) -> Any:
+        if self.functions is None:
+            return self.tool_choice
+        if self.tool_choice is not None:
+            raise InvalidRequestError("tool_choice: use function_call with functions", field="tool_choice")
+        call = self.function_call
+        if call is None or isinstance(call, str):
+            return call
+        name = call.get("name")
+        if not isinstance(name, str) or set(call) - {"name"}:
+            raise InvalidRequestError('function_call: expected "none", "auto" or {"name": <function name>}',
+                                      field="function_call")
+        return {"type": "function", "function": {"name": name}}
 
     def echoed(self) -> str:
         """With ``echo``: the last message's text when it is the assistant's (the answer continues it)."""
@@ -240,14 +275,19 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", field="top_logprobs")
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0
-        if self.tool_choice is not None:  # validated (with tools) by the engine's front
-            kwargs["tool_choice"] = self.tool_choice
-        if self.parallel_tool_calls is not None:
+        tool_choice = self._tool_choice()
+        if tool_choice is not None:  # validated (with tools) by the engine's front
+            kwargs["tool_choice"] = tool_choice
+        if self.functions is not None:
+            kwargs["parallel_tool_calls"] = False  # the legacy answer holds one function_call
+        elif self.parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = self.parallel_tool_calls
         return kwargs
 
     def param_for(self, field: str | None) -> str | None:
         """The request parameter a SamplingParams field came from (for error messages)."""
+        if self.functions is not None and field in ("tools", "tool_choice"):
+            return {"tools": "functions", "tool_choice": "function_call"}[field]
         renames = {"prompt": "messages", "logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
         return renames.get(field) or super().param_for(field)
@@ -354,11 +394,12 @@ class ChatLogprobs(_Response):
 
 
 class AssistantMessage(_Response):
-    _omit_if_none = ("tool_calls", "reasoning_content")
+    _omit_if_none = ("tool_calls", "reasoning_content", "function_call")
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     reasoning_content: Optional[str] = None  # with a reasoning parser: the model's thinking
     tool_calls: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[dict[str, Any]] = None  # the legacy functions API's one call
 
 
 class ChatChoice(_Response):
@@ -380,11 +421,12 @@ class ChatCompletionResponse(_Response):
 
 
 class DeltaMessage(_Response):
-    _omit_if_none = ("role", "content", "reasoning_content", "tool_calls")
+    _omit_if_none = ("role", "content", "reasoning_content", "tool_calls", "function_call")
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[dict[str, Any]] = None
 
 
 class ChatChunkChoice(_Response):

@@ -72,3 +72,39 @@ def test_a_cut_message_is_incomplete_and_a_whole_one_completed(app, stream):
     whole = _final(_post(app, {"input": "Weather?", "tools": [TOOL], "tool_choice": "required",
                                "max_output_tokens": 200, "temperature": 0, "stream": stream}), stream)
     assert whole["status"] == "completed" and all(i["status"] == "completed" for i in whole["output"])
+
+
+def _get(app, path: str) -> httpx.Response:
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://host",
+                                     timeout=60) as client:
+            return await client.get(path)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stored_response_is_retrieved_as_it_was_answered(app, stream):
+    answered = _final(_post(app, {"input": "Hello", "max_output_tokens": 5, "temperature": 0, "stream": stream}),
+                      stream)
+    retrieved = _get(app, f"/v1/responses/{answered['id']}")
+    assert retrieved.status_code == 200 and retrieved.json() == answered
+    unstored = _post(app, {"input": "Hello", "max_output_tokens": 2, "store": False}).json()
+    missing = _get(app, f"/v1/responses/{unstored['id']}")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
+    # what GET finds, previous_response_id continues
+    follow = _post(app, {"input": "And then?", "previous_response_id": answered["id"], "max_output_tokens": 2})
+    assert follow.status_code == 200
+
+
+def test_the_store_keeps_the_most_recently_used(app):
+    store = app.state.asyncllm.responses
+    size, store.size = store.size, 2
+    try:
+        ids = [_post(app, {"input": f"Hi {i}", "max_output_tokens": 1}).json()["id"] for i in range(2)]
+        assert _get(app, f"/v1/responses/{ids[0]}").status_code == 200  # now the most recently used
+        _post(app, {"input": "Hi 2", "max_output_tokens": 1})
+        assert _get(app, f"/v1/responses/{ids[0]}").status_code == 200
+        assert _get(app, f"/v1/responses/{ids[1]}").status_code == 404
+    finally:
+        store.size = size

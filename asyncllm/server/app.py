@@ -29,7 +29,7 @@ from ..frontend.tokenizing import decode_ids, encode_text
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_embeddings
-from .responses import ResponseStore, create_response
+from .responses import ResponseStore, create_response, retrieve_response
 from .errors import APIError, ClientDisconnected, from_engine_error, http_exception_handler
 from .metrics import ServerMetrics
 from .reasoning import PARSERS as REASONING_PARSERS
@@ -97,6 +97,7 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
         route("/v1/completions", create_completion, "POST"),
         route("/v1/embeddings", create_embeddings, "POST"),
         route("/v1/responses", create_response, "POST"),
+        route("/v1/responses/{response_id}", retrieve_response, "GET"),
         route("/v1/models", list_models, "GET"),
         route("/v1/models/{model:path}", retrieve_model, "GET"),
         route("/v1/load_lora_adapter", load_lora_adapter, "POST"),

@@ -32,6 +32,7 @@ from ..errors import InvalidRequestError
 from ..outputs import RequestOutput
 from .protocol import _Request
 from .reasoning import ReasoningSplitter, split_reasoning
+from .errors import APIError
 from .serving import ServerContext, check_not_aborted, collect, open_streams, parse_body, sse_response
 
 # previous_response_id works for this many most recent responses of the app
@@ -159,26 +160,49 @@ def _text_of(content: Any) -> str:
 
 
 class ResponseStore:
-    """The conversations behind recent responses (bounded, oldest dropped first)."""
+    """Recent stored responses, each with the conversation behind it (bounded: the least recently used goes
+    first), so that ``previous_response_id`` and ``GET /v1/responses/{id}`` agree on what is kept."""
 
     def __init__(self, size: int = STORE_SIZE) -> None:
         self.size = size
-        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
         self._lock = threading.Lock()  # answers are finished in response threads
 
     def get(self, response_id: str) -> list[dict[str, Any]]:
-        with self._lock:
-            messages = self._items.get(response_id)
-        if messages is None:
+        """The conversation of a stored response (for ``previous_response_id``)."""
+        item = self._lookup(response_id)
+        if item is None:
             raise InvalidRequestError(f"previous_response_id: no response {response_id!r} is stored (this server "
                                       f"keeps its last {self.size})", field="previous_response_id")
-        return list(messages)
+        return list(item[0])
 
-    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
+    def response(self, response_id: str) -> dict[str, Any] | None:
+        """The stored response object itself, or None."""
+        item = self._lookup(response_id)
+        return None if item is None else item[1]
+
+    def _lookup(self, response_id: str):
         with self._lock:
-            self._items[response_id] = messages
+            item = self._items.get(response_id)
+            if item is not None:
+                self._items.move_to_end(response_id)
+            return item
+
+    def put(self, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        with self._lock:
+            self._items[response_id] = (messages, response)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
+
+
+async def retrieve_response(ctx: ServerContext, request: Request) -> Response:
+    """``GET /v1/responses/{response_id}``: a response created with ``store`` (the default), while kept."""
+    response_id = request.path_params["response_id"]
+    stored = ctx.responses.response(response_id)
+    if stored is None:
+        raise APIError(404, f"No response found with id '{response_id[:100]}' (this server keeps its last "
+                       f"{ctx.responses.size} stored responses).", param="response_id", code="not_found")
+    return await ctx.json_answer(lambda: stored)
 
 
 async def create_response(ctx: ServerContext, request: Request) -> Response:
@@ -247,8 +271,14 @@ class _Builder:
 
     def finish(self, items: list[dict[str, Any]], reason: str | None, input_tokens: int, output_tokens: int,
                cached_tokens: int, conversation: list[dict[str, Any]]) -> dict[str, Any]:
-        """The final response object; with ``store``, the conversation and this answer are kept for a
-        later ``previous_response_id`` (the answer's text and calls, not its reasoning)."""
+        """The final response object; with ``store``, it is kept (``GET /v1/responses/{id}``) with the
+        conversation and this answer for a later ``previous_response_id`` (text and calls, not reasoning)."""
+        usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": input_tokens + output_tokens}
+        cut = reason == "length"
+        response = self.skeleton("incomplete" if cut else "completed", items, usage,
+                                 "max_output_tokens" if cut else None)
         if self.body.store:
             answer: dict[str, Any] = {"role": "assistant", "content": None}
             for item in items:
@@ -258,13 +288,8 @@ class _Builder:
                     answer.setdefault("tool_calls", []).append(
                         {"id": item["call_id"], "type": "function",
                          "function": {"name": item["name"], "arguments": item["arguments"]}})
-            self.ctx.responses.put(self.id, conversation + [answer])
-        usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": input_tokens + output_tokens}
-        cut = reason == "length"
-        return self.skeleton("incomplete" if cut else "completed", items, usage,
-                             "max_output_tokens" if cut else None)
+            self.ctx.responses.put(self.id, conversation + [answer], response)
+        return response
 
     def event(self, kind: str, **fields: Any) -> tuple[str, str]:
         data = {"type": kind, "sequence_number": self.sequence, **fields}

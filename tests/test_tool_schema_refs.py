@@ -151,3 +151,27 @@ def test_legacy_function_errors_name_the_legacy_fields(llm, extra, param):
 def test_function_call_without_functions_is_a_400(llm):
     response = _chat(llm, {"messages": MESSAGES, "function_call": "auto", "max_tokens": 4})
     assert response.status_code == 400 and response.json()["error"]["param"] == "function_call"
+
+
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "count"}}])
+def test_response_format_with_a_forced_tool_call(llm, tool_choice):
+    """The Agents SDK's output_type plus a forced tool: the call comes first (this answer), the structured
+    answer in the turn after the tool's result, as OpenAI sequences them."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    first = _chat(llm, {"messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice,
+                        "response_format": response_format, "max_tokens": 200, "temperature": 0})
+    assert first.status_code == 200, first.text[:300]
+    message = first.json()["choices"][0]["message"]
+    (call,) = message["tool_calls"][:1]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    turn = MESSAGES + [message, {"role": "tool", "tool_call_id": call["id"], "content": "3"}]
+    second = _chat(llm, {"messages": turn, "tools": TOOLS, "response_format": response_format, "max_tokens": 40,
+                         "temperature": 0})
+    assert second.status_code == 200, second.text[:300]
+    jsonschema.validate(json.loads(second.json()["choices"][0]["message"]["content"]), ANSWER)
+    malformed = _chat(llm, {"messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 4,
+                            "response_format": {"type": "json_schema"}})
+    assert malformed.status_code == 400 and malformed.json()["error"]["param"] == "response_format"

@@ -156,16 +156,23 @@ class _SamplingFields(_Request):
         for name in self._refused:
             if (self.model_extra or {}).get(name) is not None:
                 raise InvalidRequestError(f"{name}: not supported by this server", field=name)
-        kwargs.update(self._structured_kwargs())
+        kwargs.update(self._structured_kwargs(self._answer_is_text()))
         if self.priority is not None:  # binds to stream_outputs' own keyword, beside the sampling ones
             kwargs["priority"] = self.priority
         return kwargs
 
-    def _structured_kwargs(self) -> dict[str, Any]:
+    def _answer_is_text(self) -> bool:
+        """False where the answer must be a tool call (chat's forced tool_choice): ``response_format`` then
+        shapes the text of later turns, not this one, as OpenAI sequences them."""
+        return True
+
+    def _structured_kwargs(self, with_response_format: bool = True) -> dict[str, Any]:
         """The one structured-output constraint of the request, from whichever name carried it."""
         given: list[tuple[str, str, Any]] = []  # (request parameter, SamplingParams field, value)
         if self.response_format is not None and self.response_format.type != "text":
-            given.append(("response_format", "json_schema", self.response_format.schema()))
+            schema = self.response_format.schema()  # checked even where this answer does not use it
+            if with_response_format:
+                given.append(("response_format", "json_schema", schema))
         if self.structured_outputs is not None:
             names = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
             for key, value in self.structured_outputs.items():
@@ -226,6 +233,10 @@ class ChatCompletionRequest(_SamplingFields):
         return ChatPrompt([m.to_template_dict() for m in self.messages], add_generation_prompt=add,
                           continue_final_message=self.continue_final_message,
                           chat_template_kwargs=dict(self.chat_template_kwargs or {}))
+
+    def _answer_is_text(self) -> bool:
+        choice = self.function_call if self.functions is not None else self.tool_choice
+        return not (choice == "required" or isinstance(choice, dict))
 
     @property
     def legacy_functions(self) -> bool:

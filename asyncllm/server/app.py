@@ -26,6 +26,8 @@ from ..frontend.text import check_utf8
 from ..frontend.pooling import POOLINGS
 from ..frontend.prompts import render_chat
 from ..frontend.tokenizing import decode_ids, encode_text
+from .anthropic_messages import count_tokens as count_message_tokens, create_message
+from .anthropic_messages import error_response as anthropic_error
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_embeddings
@@ -56,7 +58,7 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
 
     ``model_name`` is what clients pass as ``model`` (default: :func:`default_model_name`).
     With ``api_key`` set, every route but ``/health`` and ``/metrics`` needs
-    ``Authorization: Bearer <api_key>``. ``allow_lora_loading`` lists the directories that
+    ``Authorization: Bearer <api_key>`` (or ``x-api-key: <api_key>``). ``allow_lora_loading`` lists the directories that
     ``/v1/load_lora_adapter`` may load adapters from (off by default: the LoRA routes answer 403).
     POST bodies must be JSON (415 otherwise) of at most ``max_body_bytes`` (413 past it).
     ``max_batch_inputs``: the most prompts (times ``n``) one /v1/completions request and the most
@@ -89,8 +91,10 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
                         reasoning_parser=reasoning_parser, pooling=pooling,
                         responses=ResponseStore())
 
-    def route(path: str, handler: Handler, method: str, *, auth: bool = True) -> Route:
-        return Route(path, _endpoint(ctx, handler, auth, json_body=method == "POST"), methods=[method])
+    def route(path: str, handler: Handler, method: str, *, auth: bool = True,
+              errors: Callable[[APIError], Response] | None = None) -> Route:
+        return Route(path, _endpoint(ctx, handler, auth, json_body=method == "POST", errors=errors),
+                     methods=[method])
 
     routes = [
         route("/v1/chat/completions", create_chat_completion, "POST"),
@@ -98,6 +102,8 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
         route("/v1/embeddings", create_embeddings, "POST"),
         route("/v1/responses", create_response, "POST"),
         route("/v1/responses/{response_id}", retrieve_response, "GET"),
+        route("/v1/messages", create_message, "POST", errors=anthropic_error),  # Anthropic's API, its error shape
+        route("/v1/messages/count_tokens", count_message_tokens, "POST", errors=anthropic_error),
         route("/v1/models", list_models, "GET"),
         route("/v1/models/{model:path}", retrieve_model, "GET"),
         route("/v1/load_lora_adapter", load_lora_adapter, "POST"),
@@ -129,8 +135,10 @@ def default_model_name(llm: "AsyncLLM") -> str:
     return Path(llm.config.model).resolve().name
 
 
-def _endpoint(ctx: ServerContext, handler: Handler, auth: bool,
-              json_body: bool) -> Callable[[Request], Awaitable[Response]]:
+def _endpoint(ctx: ServerContext, handler: Handler, auth: bool, json_body: bool,
+              errors: Callable[[APIError], Response] | None = None) -> Callable[[Request], Awaitable[Response]]:
+    answer = errors or APIError.response  # (the Anthropic routes answer errors in Anthropic's shape)
+
     async def endpoint(request: Request) -> Response:
         try:
             if auth and ctx.api_key is not None:
@@ -139,9 +147,9 @@ def _endpoint(ctx: ServerContext, handler: Handler, auth: bool,
                 await read_json_body(request, ctx.max_body_bytes, ctx.body_timeout_s)
             return await handler(ctx, request)
         except APIError as exc:
-            return exc.response()
+            return answer(exc)
         except AsyncLLMError as exc:
-            return from_engine_error(exc).response()
+            return answer(from_engine_error(exc))
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
@@ -149,10 +157,13 @@ def _endpoint(ctx: ServerContext, handler: Handler, auth: bool,
 
 
 def _check_api_key(request: Request, api_key: str) -> None:
+    # constant-time comparisons: the key must not leak through response timing
+    x_api_key = request.headers.get("x-api-key")  # how the anthropic SDK sends it
+    if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), api_key.encode()):
+        return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    # constant-time comparison: the key must not leak through response timing
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+        raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
                        code="invalid_api_key")
 
 

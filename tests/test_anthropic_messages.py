@@ -1,0 +1,184 @@
+"""The official ``anthropic`` client against ``POST /v1/messages`` (and count_tokens), served by uvicorn."""
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+from server_helpers import serve_in_thread
+
+from asyncllm import AsyncLLM
+from asyncllm.server import create_app
+from asyncllm.server.anthropic_messages import MessagesRequest
+
+KEY = "sekret"
+MESSAGES = [{"role": "user", "content": "Tell me a story about the old man"}]
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir_factory):
+    llm = AsyncLLM(str(model_dir_factory("llama", max_position_embeddings=2048)), dtype="float32")
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    with serve_in_thread(create_app(llm, model_name="tiny", api_key=KEY)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(url):
+    with anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=30) as client:
+        yield client
+
+
+def _greedy(client, **kwargs):
+    # anthropic 2.x dropped temperature from create()'s signature; the API (and this server) still take it
+    return client.messages.create(**{"model": "tiny", "max_tokens": 12, "extra_body": {"temperature": 0},
+                                     "messages": MESSAGES, **kwargs})
+
+
+def test_plain_message_and_usage(client, url):
+    message = _greedy(client)
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.stop_reason in ("max_tokens", "end_turn") and message.stop_sequence is None
+    assert [block.type for block in message.content] == ["text"]
+    assert message.usage.input_tokens == client.messages.count_tokens(model="tiny", messages=MESSAGES).input_tokens
+    # the engine's own counts, as the chat-completions route reports them for the same conversation
+    chat = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                      json={"model": "tiny", "max_tokens": 12, "temperature": 0, "messages": MESSAGES}).json()
+    assert message.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert message.usage.output_tokens == chat["usage"]["completion_tokens"] >= 1
+    assert message.content[0].text == chat["choices"][0]["message"]["content"]
+    assert (message.stop_reason == "max_tokens") == (chat["choices"][0]["finish_reason"] == "length")
+
+
+def test_stream_matches_whole_answer(client):
+    whole = _greedy(client)
+    with client.messages.stream(model="tiny", max_tokens=12, extra_body={"temperature": 0},
+                                messages=MESSAGES) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert events.index("content_block_start") < events.index("content_block_delta") < \
+        events.index("content_block_stop") < events.index("message_delta")
+    assert final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_raw_stream_has_no_done_marker(url):
+    body = {"model": "tiny", "max_tokens": 4, "messages": MESSAGES, "stream": True}
+    text = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30).text
+    assert "[DONE]" not in text and "event: message_stop" in text and "event: ping" in text
+
+
+def test_forced_tool_then_tool_result(client):
+    message = client.messages.create(model="tiny", max_tokens=400, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"})
+    assert message.stop_reason == "tool_use"
+    (call,) = [block for block in message.content if block.type == "tool_use"]
+    assert call.name == "get_weather" and call.id
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    turns = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 21 C"}]}]
+    answer = client.messages.create(model="tiny", max_tokens=8, extra_body={"temperature": 0}, tools=[WEATHER],
+                                    messages=turns)
+    assert answer.stop_reason in ("max_tokens", "end_turn", "tool_use") and answer.usage.output_tokens >= 1
+
+
+def test_conversation_becomes_chat_messages():
+    body = MessagesRequest.model_validate({"max_tokens": 1, "system": [{"type": "text", "text": "Be brief."}],
+                                           "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "rain",
+                                      "is_error": True}, {"type": "text", "text": "And?"}]}]})
+    assert body.chat_messages() == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: rain"}, {"role": "user", "content": "And?"}]
+
+
+def test_forced_tool_streamed(client):
+    with client.messages.stream(model="tiny", max_tokens=400, extra_body={"temperature": 0}, tools=[WEATHER],
+                                tool_choice={"type": "tool", "name": "get_weather"},
+                                messages=[{"role": "user", "content": "Weather in Oslo?"}]) as stream:
+        deltas = [event.delta.type for event in stream if event.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "input_json_delta" in deltas
+    (call,) = [block for block in final.content if block.type == "tool_use"]
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    assert final.stop_reason == "tool_use"
+
+
+def test_stop_sequence(client):
+    text = _greedy(client, max_tokens=16).content[0].text
+    words = [word for word in text.split() if len(word) > 1]
+    assert words, text
+    stop = words[len(words) // 2]
+    message = _greedy(client, max_tokens=16, stop_sequences=[stop])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert stop not in "".join(block.text for block in message.content)
+
+
+def test_count_tokens_equals_tokenize(client, url):
+    system = "You are terse."
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": [{"type": "text", "text": "weather?"}]}]
+    counted = client.messages.count_tokens(model="tiny", system=system, messages=messages, tools=[WEATHER])
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "weather?"}]
+    tools = [{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                                               "parameters": WEATHER["input_schema"]}}]
+    tokenized = httpx.post(f"{url}/tokenize", json={"messages": chat, "tools": tools},
+                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert counted.input_tokens == tokenized["count"] > 0
+
+
+def test_auth_x_api_key(url):
+    body = {"model": "tiny", "max_tokens": 1, "messages": MESSAGES}
+    assert httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30).status_code == 200
+    for headers in ({}, {"x-api-key": "wrong"}):
+        answer = httpx.post(f"{url}/v1/messages", json=body, headers=headers, timeout=30)
+        assert answer.status_code == 401
+        assert answer.json()["type"] == "error" and answer.json()["error"]["type"] == "authentication_error"
+    with anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(anthropic.AuthenticationError):
+            bad.messages.create(model="tiny", max_tokens=1, messages=MESSAGES)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"model": "tiny", "messages": MESSAGES}, "max_tokens"),
+    ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"model": "tiny", "max_tokens": 4, "messages": MESSAGES, "stop_sequences": "x"}, "stop_sequences"),
+    ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]},
+     "messages[0].content"),
+    ({"model": "tiny", "max_tokens": 4, "messages": MESSAGES,
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
+])
+def test_bad_request_in_anthropic_shape(url, body, field):
+    answer = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
+    assert answer.status_code == 400
+    error = answer.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"].startswith(field)
+
+
+def test_sdk_errors(client):
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="tiny", max_tokens=0, messages=MESSAGES)
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.messages.create(model="no-such-model", max_tokens=4, messages=MESSAGES)
+    assert json.loads(caught.value.response.text)["error"]["type"] == "not_found_error"

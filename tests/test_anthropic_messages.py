@@ -182,3 +182,25 @@ def test_sdk_errors(client):
     with pytest.raises(anthropic.NotFoundError) as caught:
         client.messages.create(model="no-such-model", max_tokens=4, messages=MESSAGES)
     assert json.loads(caught.value.response.text)["error"]["type"] == "not_found_error"
+
+
+def test_failure_mid_stream_is_an_error_event():
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from asyncllm.server.anthropic_messages import _sse
+    from asyncllm.server.errors import APIError
+
+    async def events():
+        yield "message_start", {"type": "message_start"}
+        raise APIError(503, "the engine is not available")
+
+    async def endpoint(request):
+        return _sse(events())
+
+    with TestClient(Starlette(routes=[Route("/", endpoint)])) as http:
+        text = http.get("/").text
+    assert "event: message_start" in text and "[DONE]" not in text
+    error = json.loads(text.split("event: error", 1)[1].split("data: ", 1)[1].splitlines()[0])
+    assert error == {"type": "error", "error": {"type": "overloaded_error", "message": "the engine is not available"}}

@@ -24,7 +24,7 @@ from ..frontend.tokenizing import encode_text
 from ..outputs import CompletionOutput, RequestOutput
 from .errors import APIError, from_engine_error
 from .protocol import _Request
-from .serving import (SHUTDOWN_GRACE_S, ServerContext, ServerShuttingDown, UsageCounter, _until_shutdown,
+from .serving import (SHUTDOWN_GRACE_S, ServerContext, ServerShuttingDown, UsageCounter, until_shutdown,
                       check_not_aborted, collect, merged, open_streams, parse_body)
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -304,7 +304,7 @@ def _sse(events: AsyncIterator[Event]) -> EventSourceResponse:
 
     async def frames() -> AsyncIterator[dict[str, str]]:
         try:
-            async for name, data in _until_shutdown(events, shutdown):
+            async for name, data in until_shutdown(events, shutdown):
                 yield {"event": name, "data": json.dumps(data, ensure_ascii=False, separators=(",", ":"))}
         except APIError as exc:
             yield {"event": "error", "data": json.dumps(error_body(exc))}

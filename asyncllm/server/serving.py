@@ -374,7 +374,7 @@ def sse_response(chunks: AsyncIterator[str | tuple[str, str]]) -> EventSourceRes
 
     async def events() -> AsyncIterator[dict[str, str]]:
         try:
-            async for data in _until_shutdown(chunks, shutdown):
+            async for data in until_shutdown(chunks, shutdown):
                 # a (name, data) pair is a named event (the Responses API's "event: response.created")
                 yield {"event": data[0], "data": data[1]} if isinstance(data, tuple) else {"data": data}
         except APIError as exc:  # the status is sent already: report it in the stream, as OpenAI does
@@ -395,7 +395,7 @@ class ServerShuttingDown(Exception):
     """The ASGI server is stopping: open streams say so and end."""
 
 
-async def _until_shutdown(items: AsyncIterator[T], shutdown: anyio.Event) -> AsyncIterator[T]:
+async def until_shutdown(items: AsyncIterator[T], shutdown: anyio.Event) -> AsyncIterator[T]:
     """``items`` until they end, or raise ServerShuttingDown once ``shutdown`` is set."""
     stop = asyncio.ensure_future(shutdown.wait())
     step: asyncio.Future | None = None

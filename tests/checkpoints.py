@@ -102,6 +102,22 @@ def reference_greedy(
     return results
 
 
+def strong_peft_adapter(model_dir: Path, targets: list[str], out_dir: Path, seed: int):
+    """A rank-4 PEFT LoRA adapter on ``targets`` whose A matrices are scaled up (so its effect on greedy
+    output is visible), saved to ``out_dir``; returns PEFT's merged model to compare against."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(load_reference_model(model_dir), LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name:
+                param.mul_(3.0)
+    peft_model.save_pretrained(out_dir)
+    return peft_model.merge_and_unload()
+
+
 def random_prompts(name: str, lengths: list[int]) -> list[list[int]]:
     """Prompts of random token ids (5..999) of the given lengths, seeded by ``name``."""
     import random

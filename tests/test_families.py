@@ -14,7 +14,8 @@ import pytest
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.model.registry import architecture_for
-from checkpoints import fresh_reference_greedy, load_reference_model, random_prompts, reference_greedy
+from checkpoints import (fresh_reference_greedy, load_reference_model, random_prompts, reference_greedy,
+                         strong_peft_adapter)
 
 FAMILY_KINDS = ["llama_bias", "llama_longrope", "mistral_window", "qwen2_window", "phi4_mini", "gemma", "gemma2", "gemma3",
                 "granite", "olmo2", "smollm3", "cohere", "glm4", "llama_dynamic"]
@@ -150,19 +151,9 @@ def test_a_family_that_cannot_split_says_so(model_dir_factory):
                                           ("glm4", ["q_proj", "k_proj", "o_proj", "down_proj"])])
 def test_family_lora_equals_peft_merged(kind, targets, model_dir_factory, tmp_path):
     """PEFT adapters on the families' own module names ride the engine's fused projections."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
     model_dir = model_dir_factory(kind)
-    torch.manual_seed(7)
-    peft_model = get_peft_model(load_reference_model(model_dir), LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name:
-                param.mul_(3.0)
-    peft_model.save_pretrained(tmp_path / "adapter")
-    expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=peft_model.merge_and_unload())
+    merged = strong_peft_adapter(model_dir, targets, tmp_path / "adapter", seed=7)
+    expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=merged)
     assert expected != reference(kind, model_dir)
     llm = LLM(str(model_dir), dtype="float32", block_size=4)
     llm.add_lora("a", str(tmp_path / "adapter"))

@@ -16,7 +16,7 @@ from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import ConfigError, LoRAError, ModelLoadError
 from asyncllm.server import create_app
 from asyncllm.toy.checkpoints import TRANSFORMERS_BACKEND_KINDS
-from checkpoints import load_reference_model, random_prompts, reference_greedy
+from checkpoints import load_reference_model, random_prompts, reference_greedy, strong_peft_adapter
 from server_helpers import request
 
 PROMPT_LENGTHS = [1, 6, 13, 30]
@@ -140,19 +140,9 @@ def test_load_fails_when_the_paged_path_does_not_reproduce_transformers(model_di
 def test_fallback_lora_equals_peft_merged(kind, targets, model_dir_factory, tmp_path):
     """PEFT adapters on an architecture without a native file: applied by hooks on transformers' own
     projections, mixed with base-model requests in one batch, equal to PEFT's merged model."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
     model_dir = model_dir_factory(kind)
-    torch.manual_seed(11)
-    peft_model = get_peft_model(load_reference_model(model_dir), LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name:
-                param.mul_(3.0)
-    peft_model.save_pretrained(tmp_path / "adapter")
-    expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=peft_model.merge_and_unload())
+    merged = strong_peft_adapter(model_dir, targets, tmp_path / "adapter", seed=11)
+    expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=merged)
     assert expected != reference(kind, model_dir)
     llm = LLM(str(model_dir), dtype="float32")
     assert set(targets) <= set(llm.engine.runner.lora.layout.targets)

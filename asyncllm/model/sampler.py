@@ -12,13 +12,13 @@ top-k come back together in one copy at the end.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 import torch
 
+from ..gil import GILHandover
 from ..kernels.transfer import to_device, to_host
 from ..sampling_params import SamplingParams
 from ..kernels.cpu_ops import greedy_kernel_available, greedy_pick
@@ -259,9 +259,9 @@ def prompt_logprobs(raw_logits: torch.Tensor, next_token_ids: list[int], k: int)
         parts.append(torch.cat(columns, dim=1))  # [rows, 1 + 2k] doubles: small
     host = to_host(torch.cat(parts))  # one copy back
     result = []
+    hand_over = GILHandover()  # thousands of dicts built in Python: let the host's loop in now and then
     for i, token in enumerate(next_token_ids):
-        if i % 256 == 255:  # thousands of dicts built in Python: hand the GIL to the host's loop now and then
-            time.sleep(0)
+        hand_over()
         entry = {token: float(host[i, 0])}
         if k:
             for t, v in zip(host[i, 1:1 + k].astype(np.int64).tolist(), host[i, 1 + k:].tolist()):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 import weakref
 from typing import Any, Optional
 
+from ..gil import GILHandover
 from .raw_json import RawJSON
 
 from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
@@ -74,16 +74,14 @@ def prompt_logprobs_json(tokenizer, entries: list[dict[int, float] | None] | Non
     if entries is None:
         return None
     pieces: list[str] = []
-    handed_over = time.perf_counter()
+    hand_over = GILHandover()  # thousands of positions: let the host's loop in
     for entry in entries:
         if entry is None:
             pieces.append("null")
         else:
             pieces.append("{" + ",".join(f'"{tid}":{{"logprob":{_json_float(lp)},"decoded_token":'
                                          f'{_json_text_of(tokenizer, tid, as_ids)}}}' for tid, lp in entry.items()) + "}")
-        if time.perf_counter() - handed_over > 0.002:  # thousands of positions: let the host's loop in
-            time.sleep(0)
-            handed_over = time.perf_counter()
+        hand_over()
     return RawJSON("[" + ",".join(pieces) + "]")
 
 

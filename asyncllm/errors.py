@@ -51,3 +51,12 @@ class RequestTimeoutError(AsyncLLMError, TimeoutError):
 
 class RequestFailedError(AsyncLLMError):
     """Processing this one request's output failed (a bug, not bad input); other requests go on."""
+
+
+class ServerError(AsyncLLMError):
+    """``AsyncLLMClient``: the server refused the request for a reason the engine itself never gives
+    (401 without the right API key, 403, an unknown route...). ``status``: the HTTP status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status

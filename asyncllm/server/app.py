@@ -114,6 +114,7 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
         route("/ping", health, "GET", auth=False),
         route("/version", version, "GET", auth=False),
         route("/metrics", metrics, "GET", auth=False),
+        route("/stats", engine_stats, "GET"),
     ]
     middleware = []
     if allowed_origins is not None:
@@ -298,6 +299,11 @@ def _origins(allowed: Iterable[str]) -> list[str]:
         if not isinstance(origin, str) or not (origin == "*" or "://" in origin) or origin.endswith("/"):
             raise ConfigError(f"allowed_origins: {origin!r} is not an origin such as 'https://app.example.com' or '*'")
     return origins
+
+
+async def engine_stats(ctx: ServerContext, request: Request) -> Response:
+    """``llm.stats()`` as JSON: the engine's counters as of its last step (what AsyncLLMClient.stats reads)."""
+    return JSONResponse(ctx.llm.stats())
 
 
 async def metrics(ctx: ServerContext, request: Request) -> Response:

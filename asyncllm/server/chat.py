@@ -56,11 +56,15 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, 
         elif c.tool_calls:  # as OpenAI: the calls, and content only if the model wrote some besides
             message = AssistantMessage(content=(echoed + text) or None, reasoning_content=reasoning or None,
                                        tool_calls=[t.to_openai() for t in c.tool_calls])
-        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason))
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                                  stop_reason=c.stop_reason,
+                                  token_ids=list(c.token_ids) if body.return_token_ids else None))
     prompt_lps = prompt_logprobs_json(ctx.llm.tokenizer, output.prompt_logprobs, as_ids) \
         if body.prompt_logprobs is not None else None
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.info())
     response.prompt_logprobs = prompt_lps  # ours, already of the field's shape (validation would hold the GIL)
+    if body.return_token_ids:
+        response.prompt_token_ids = list(output.prompt_token_ids)
     return response
 
 
@@ -69,9 +73,10 @@ async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
     """The role chunk of every choice, its content deltas, its finish chunk, then usage if asked."""
     created = int(time.time())
 
-    def chunk(choice: ChatChunkChoice | None, usage=None) -> str:
+    def chunk(choice: ChatChunkChoice | None, usage=None, prompt_token_ids=None) -> str:
         return chunk_json(ChatCompletionChunk(id=request_id, created=created, model=model,
-                                              choices=[choice] if choice else [], usage=usage), body.include_usage)
+                                              choices=[choice] if choice else [], usage=usage,
+                                              prompt_token_ids=prompt_token_ids), body.include_usage)
 
     usage = UsageCounter()
     echoed = body.echoed()
@@ -82,9 +87,16 @@ async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
     as_ids = bool(body.return_tokens_as_token_ids)
     splitters = {index: ReasoningSplitter(ctx.reasoning_parser) for index in range(body.n)} \
         if ctx.reasoning_parser else None
+    prompt_ids_sent = False
     async for position, delta in merged(streams):
         usage.add(position, delta)
+        if body.return_token_ids and not prompt_ids_sent:  # the prompt's ids in a chunk of their own, once
+            prompt_ids_sent = True
+            yield chunk(None, prompt_token_ids=list(delta.prompt_token_ids))
         for c in delta.outputs:
+            # with return_token_ids: a delta's tokens ride on its first chunk (on an empty one if the text
+            # is held back, by a stop string or a tool call being parsed)
+            token_ids = list(c.token_ids) if body.return_token_ids and c.token_ids else None
             logprobs = None
             if body.logprobs and c.token_ids:
                 logprobs = chat_logprobs(ctx.llm.tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0,
@@ -96,9 +108,12 @@ async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
                     more_reasoning, more_text = splitters[c.index].finish()
                     reasoning, text = reasoning + more_reasoning, text + more_text
             if reasoning:
-                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(reasoning_content=reasoning)))
-            if text or logprobs:
-                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs))
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(reasoning_content=reasoning),
+                                            token_ids=token_ids))
+                token_ids = None
+            if text or logprobs or token_ids:
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs,
+                                            token_ids=token_ids))
             if c.tool_calls and body.legacy_functions:  # {"name", "arguments": ""} first, then argument pieces
                 for call in c.tool_calls:
                     yield chunk(ChatChunkChoice(index=c.index,
@@ -110,6 +125,7 @@ async def _chunks(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
                 check_not_aborted(delta)
                 finish = "function_call" if body.legacy_functions and c.finish_reason == "tool_calls" \
                     else c.finish_reason
-                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=finish))
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=finish,
+                                            stop_reason=c.stop_reason))
     if body.include_usage:
         yield chunk(None, usage.info())

@@ -75,7 +75,9 @@ def _response(ctx: ServerContext, body: CompletionRequest, request_id: str, mode
         for c in output.outputs:
             text, logprobs = _Choice(ctx, body).render(output, c)
             choice = CompletionChoice(index=position * body.n + c.index, text=text, logprobs=logprobs,
-                                      finish_reason=c.finish_reason)
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            if body.return_token_ids:
+                choice.token_ids, choice.prompt_token_ids = list(c.token_ids), list(output.prompt_token_ids)
             # ours, already of the field's shape: validating 2,000 x 21 entries would hold the GIL ~50 ms
             choice.prompt_logprobs = prompt_lps
             choices.append(choice)
@@ -96,11 +98,17 @@ async def _chunks(ctx: ServerContext, body: CompletionRequest, request_id: str, 
         usage.add(position, delta)
         for c in delta.outputs:
             index = position * body.n + c.index
+            first = index not in choices
             text, logprobs = choices.setdefault(index, _Choice(ctx, body)).render(delta, c)
-            if text or logprobs:
-                yield chunk(CompletionChoice(index=index, text=text, logprobs=logprobs))
+            piece = CompletionChoice(index=index, text=text, logprobs=logprobs)
+            if body.return_token_ids:  # every token in some chunk, the prompt's in the choice's first
+                piece.token_ids = list(c.token_ids) or None
+                piece.prompt_token_ids = list(delta.prompt_token_ids) if first else None
+            if text or logprobs or piece.token_ids or piece.prompt_token_ids:
+                yield chunk(piece)
             if c.finish_reason is not None:
                 check_not_aborted(delta)
-                yield chunk(CompletionChoice(index=index, text="", finish_reason=c.finish_reason))
+                yield chunk(CompletionChoice(index=index, text="", finish_reason=c.finish_reason,
+                                             stop_reason=c.stop_reason))
     if body.include_usage:
         yield chunk(None, usage.info())

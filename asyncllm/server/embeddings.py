@@ -40,7 +40,7 @@ async def create_embeddings(ctx: ServerContext, request: Request) -> Response:
     async def submit_all() -> list:
         for i, item in enumerate(unique):
             tasks.append(asyncio.ensure_future(ctx.llm.encode(
-                item, pooling=ctx.pooling, lora=lora, request_id=f"{request_id}-{i}",
+                item, pooling=body.pooling or ctx.pooling, lora=lora, request_id=f"{request_id}-{i}",
                 truncate_prompt_tokens=body.truncate_prompt_tokens)))
             if i % PRIME_GROUP == PRIME_GROUP - 1:
                 await asyncio.sleep(0)  # a big batch's submissions are spread over turns of the loop

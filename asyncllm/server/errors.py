@@ -88,7 +88,7 @@ def from_engine_error(exc: AsyncLLMError, param_for: Callable[[str | None], str 
             message = f"{param}:{message[len(exc.field) + 1:]}"  # name what the client actually sent
         return APIError(400, message, param=param)
     if isinstance(exc, LoRAError):  # (a registered adapter re-read from disk after its eviction, say)
-        return APIError(400, without_host_paths(str(exc)), param="model")
+        return APIError(400, without_host_paths(str(exc)), param="model", code="lora_error")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
     if isinstance(exc, EngineOverloadedError):

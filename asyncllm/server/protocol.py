@@ -124,6 +124,9 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     return_tokens_as_token_ids: Optional[bool] = None
+    # the generated (and prompt) token ids beside the text: ``token_ids`` per choice or delta,
+    # ``prompt_token_ids`` once per prompt (what asyncllm.client.AsyncLLMClient reads)
+    return_token_ids: Optional[bool] = None
     # structured output, vLLM's names: structured_outputs {json, regex, choice, grammar, json_object}
     # and the older guided_json / guided_regex / guided_choice / guided_grammar
     structured_outputs: Optional[dict[str, Any]] = None
@@ -343,6 +346,7 @@ class EmbeddingRequest(_Request):
     dimensions: Optional[int] = None
     user: Optional[str] = None  # accepted and ignored
     truncate_prompt_tokens: Optional[int] = None  # vLLM's
+    pooling: Optional[Literal["last", "mean"]] = None  # ours: this request's pooling (None: the server's)
 
     def inputs(self) -> list[Union[str, list[int]]]:
         """The texts (or token id lists) to embed."""
@@ -414,14 +418,17 @@ class AssistantMessage(_Response):
 
 
 class ChatChoice(_Response):
+    _omit_if_none = ("stop_reason", "token_ids")
     index: int
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = None  # the stop string or token id that ended it
+    token_ids: Optional[list[int]] = None  # with return_token_ids
 
 
 class ChatCompletionResponse(_Response):
-    _omit_if_none = ("prompt_logprobs",)
+    _omit_if_none = ("prompt_logprobs", "prompt_token_ids")
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -429,6 +436,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None  # vLLM's, when asked
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids
 
 
 class DeltaMessage(_Response):
@@ -441,20 +449,24 @@ class DeltaMessage(_Response):
 
 
 class ChatChunkChoice(_Response):
+    _omit_if_none = ("stop_reason", "token_ids")
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = None
+    token_ids: Optional[list[int]] = None  # with return_token_ids: the tokens new in this chunk
 
 
 class ChatCompletionChunk(_Response):
-    _omit_if_none = ("usage",)
+    _omit_if_none = ("usage", "prompt_token_ids")
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids: in the first chunk
 
 
 class CompletionLogprobs(_Response):
@@ -465,12 +477,15 @@ class CompletionLogprobs(_Response):
 
 
 class CompletionChoice(_Response):
-    _omit_if_none = ("prompt_logprobs",)
+    _omit_if_none = ("prompt_logprobs", "stop_reason", "token_ids", "prompt_token_ids")
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = None  # the stop string or token id that ended it
     prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None  # vLLM's, when asked
+    token_ids: Optional[list[int]] = None  # with return_token_ids (streamed: the tokens new in this chunk)
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids (streamed: in a choice's first chunk)
 
 
 class CompletionResponse(_Response):

@@ -260,3 +260,61 @@ def test_a_stream_error_event_raises_its_class():
         assert pieces == ["Hi"]
 
     asyncio.run(main())
+
+
+def test_a_plain_openai_server_chat_stream_with_tool_calls():
+    """The OpenAI-shaped subset: chunks without this server's token ids, a tool call in fragments, and
+    ``model`` sent as configured; the text and the whole call come back as AsyncLLM gives them."""
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(request.content))
+        seen["auth"] = request.headers.get("authorization")
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_sse(
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"index": 0, "delta": {"content": "Let me check."}}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                                "function": {"name": "get_weather", "arguments": ""}}]}}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Rome"}'}}]}}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://stub",
+                                 headers={"Authorization": "Bearer sk-test"})
+        client = AsyncLLMClient("http://stub", model="gpt-test", http_client=http)
+        return await client.chat([{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER],
+                                 temperature=0, max_tokens=30)
+
+    out = asyncio.run(main())
+    c = out.outputs[0]
+    assert (c.text, c.finish_reason, out.finished) == ("Let me check.", "tool_calls", True)
+    assert [(t.id, t.name, json.loads(t.arguments)) for t in c.tool_calls] == [("call_1", "get_weather", {"city": "Rome"})]
+    assert seen["model"] == "gpt-test" and seen["tools"] == [WEATHER] and seen["temperature"] == 0
+    assert seen["messages"] == [{"role": "user", "content": "Weather in Rome?"}] and seen["auth"] == "Bearer sk-test"
+
+
+def test_return_token_ids_streamed_equals_whole(served):
+    """The server extension the client reads: a stream's token ids, joined, are the whole answer's."""
+    llm, url = served
+    headers = {"Authorization": "Bearer k"}
+    for path, body in (("/v1/completions", {"prompt": "Token ids", "max_tokens": 9, "temperature": 0}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Token ids"}],
+                                                 "max_tokens": 9, "temperature": 0})):
+        whole = httpx.post(url + path, json={**body, "return_token_ids": True}, headers=headers, timeout=30).json()
+        choice = whole["choices"][0]
+        prompt_ids = choice.get("prompt_token_ids") or whole.get("prompt_token_ids")
+        assert len(choice["token_ids"]) == 9 and prompt_ids
+        streamed, streamed_prompt = [], None
+        with httpx.stream("POST", url + path, json={**body, "return_token_ids": True, "stream": True},
+                          headers=headers, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    streamed_prompt = streamed_prompt or chunk.get("prompt_token_ids")
+                    for c in chunk["choices"]:
+                        streamed.extend(c.get("token_ids") or [])
+                        streamed_prompt = streamed_prompt or c.get("prompt_token_ids")
+        assert (streamed, streamed_prompt) == (choice["token_ids"], prompt_ids), path
+        plain = httpx.post(url + path, json=body, headers=headers, timeout=30).json()["choices"][0]
+        assert "token_ids" not in plain and "prompt_token_ids" not in plain  # only when asked

@@ -14,7 +14,8 @@ import tempfile
 import httpx
 import pytest
 
-from asyncllm.errors import ConfigError
+from asyncllm.client import AsyncLLMClient
+from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.integrations.ray import REPLICA_HEADER, PrefixAffinity, prompt_text, require_ray
 from server_helpers import start_serve
 
@@ -111,6 +112,18 @@ def test_serve_two_replicas_on_ray(llama_dir):
             assert lines[-1] == "data: [DONE]" and len(lines) > 2
             bad = client.get("/v1/models", headers={REPLICA_HEADER: "engine-9"})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == REPLICA_HEADER
+
+        async def through_the_client():  # AsyncLLM's API against the replicas (docs/client.md)
+            async with AsyncLLMClient(base) as llm:
+                first = await llm.generate("client", max_tokens=6, temperature=0, ignore_eos=True)
+                pieces = [p async for p in llm.stream("client", max_tokens=6, temperature=0, ignore_eos=True)]
+                with pytest.raises(InvalidRequestError):
+                    await llm.generate("client", max_tokens=10**6)
+                return first, "".join(pieces), await llm.stats()
+
+        first, streamed, stats = asyncio.run(through_the_client())
+        assert len(first.outputs[0].token_ids) == 6 and streamed == first.outputs[0].text
+        assert "kv_blocks_total" in stats
     finally:
         proc.send_signal(signal.SIGINT)
         try:

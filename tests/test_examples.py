@@ -160,3 +160,27 @@ def test_scaling_example(model_dirs):
     from ray.serve import Application
 
     assert isinstance(example.build_ray_app(str(model_dirs["llama"])), Application)
+
+
+def test_client_app_example_same_answers_in_process_and_served(model_dirs, capsys):
+    """examples/client_app.py: the same application on AsyncLLM and on AsyncLLMClient, same answers."""
+    from asyncllm.client import AsyncLLMClient
+    from asyncllm.server import create_app
+    from server_helpers import serve_in_thread
+
+    example = _load("client_app")
+    questions = ["What is the capital of France?", "Name a colour.", "Say hello."]
+    llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32")
+    try:
+        in_process = asyncio.run(example.answer_questions(llm, questions, max_tokens=8))
+        with serve_in_thread(create_app(llm)) as url:
+            async def served():
+                async with AsyncLLMClient(url) as client:
+                    return await example.answer_questions(client, questions, max_tokens=8)
+
+            over_http = asyncio.run(served())
+    finally:
+        llm.close()
+    assert over_http == in_process and in_process["refused_field"] == "temperature"
+    assert all(in_process["token_ids"]) and in_process["streamed"]
+    assert "[generate]" in capsys.readouterr().out

@@ -9,7 +9,6 @@ Both print the same greedy answers; a bad argument raises the same InvalidReques
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 from asyncllm import AsyncLLM

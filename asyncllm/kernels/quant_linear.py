@@ -1,0 +1,120 @@
+"""Linear layers over weights kept as a quantized checkpoint stores them (GPTQ, AWQ, compressed-tensors, FP8).
+
+Every packed integer format is brought, at load, to one layout that the kernels read
+(:class:`GroupQuantLinear`):
+
+- ``packed``: uint8. With 4 bits it is ``[N, K // 2]``: the low nibble holds column ``2j`` and the high nibble
+  column ``2j + 1``. With 8 bits it is ``[N, K]``. The values are unsigned, from 0 to ``2**bits - 1``.
+- ``scales``, ``zeros``: float32 ``[N, K // group_size]``. The weight is
+  ``W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]``. ``zeros`` is the zero point in quantized
+  units, so a symmetric 4-bit checkpoint has 8 everywhere.
+- ``perm``: int64 ``[K]`` or None. With act-order (GPTQ ``desc_act``) the columns are stored sorted by group,
+  and the input is gathered the same way: ``y = x[:, perm] @ W.T``.
+
+The weight is never widened to float in memory except transiently, one layer at a time, in the torch
+reference path. That path is the oracle of the faster kernels' tests.
+
+:class:`Fp8Linear` keeps ``float8_e4m3fn`` weights with float32 scales: one per tensor, per output row, or per
+``block`` (DeepSeek's and Qwen's 128x128 ``weight_scale_inv``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """``[N, K // 2]`` uint8 nibbles as ``[N, K]`` uint8 values (low nibble first)."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` values 0..15 as ``[N, K // 2]`` uint8 nibbles (the inverse of :func:`unpack_int4`)."""
+    values = values.to(torch.uint8)
+    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
+
+
+def dequantize_groups(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float ``[N, K]`` weight of the layout above (columns in stored order)."""
+    q = unpack_int4(packed) if bits == 4 else packed
+    n, k = q.shape
+    group = k // scales.shape[1]
+    q = q.float().reshape(n, scales.shape[1], group)
+    weight = (q - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)
+    return weight.reshape(n, k).to(dtype)
+
+
+class GroupQuantLinear(nn.Module):
+    """``y = x[:, perm] @ W.T + bias`` over the group-quantized layout of the module doc (4 or 8 bits)."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        self.bits = bits
+        self.out_features = packed.shape[0]
+        self.in_features = packed.shape[1] * (2 if bits == 4 else 1)
+        if self.in_features % scales.shape[1]:
+            raise ValueError(f"{scales.shape[1]} groups do not divide {self.in_features} input columns")
+        self.group_size = self.in_features // scales.shape[1]
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("zeros", zeros.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self.register_buffer("perm", None if perm is None else perm.long().contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight, columns in stored (group-sorted) order."""
+        return dequantize_groups(self.packed, self.scales, self.zeros, self.bits, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, act_order={self.perm is not None}")
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight of an FP8 layer: ``weight * scale``. The scale is one value, one per row (``[N, 1]``),
+    or one per ``block`` (``[ceil(N / bn), ceil(K / bk)]``)."""
+    w = weight.float()
+    if block is not None:
+        bn, bk = block
+        n, k = w.shape
+        expanded = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return (w * expanded).to(dtype)
+    return (w * scale.float().reshape(-1, 1) if scale.numel() > 1 else w * scale.float().reshape(())).to(dtype)
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ (weight * scale).T + bias`` with ``float8_e4m3fn`` weights (see :func:`dequantize_fp8`)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.block = tuple(block) if block is not None else None
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.scale, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"

@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API with uvicorn (docs/server.md)")
     serve.add_argument("model", metavar="MODEL", help="a checkpoint directory, a .gguf file or a hub id")
     serve.add_argument("--revision", default=None, help="hub ids: branch, tag or commit (default: main)")
-    serve.add_argument("--quantization", default=None, choices=["int8", "none"],
+    serve.add_argument("--quantization", default=None, choices=["int8", "none", "gptq", "awq", "compressed-tensors", "fp8"],
                        help="int8: weight-only int8 projections (default: as the checkpoint is stored)")
     serve.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                        help="auto: generation_config.json's sampling defaults apply to requests that leave "

@@ -76,8 +76,11 @@ class EngineConfig:
             raise ConfigError(f"revision must be a branch, tag or commit name, got {self.revision!r}")
         if self.hf_token is not None and not isinstance(self.hf_token, (str, bool)):
             raise ConfigError("hf_token must be a string, True/False or None")
-        if self.quantization not in (None, "int8", "none"):
-            raise ConfigError(f"quantization must be None, 'int8' or 'none', got {self.quantization!r}")
+        from .model.quantization import QUANTIZATION_CHOICES
+
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ConfigError(f"quantization must be one of {', '.join(map(repr, QUANTIZATION_CHOICES))}; "
+                              f"got {self.quantization!r}")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ConfigError(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
         if self.generation_config not in ("auto", "none"):

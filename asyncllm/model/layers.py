@@ -87,6 +87,10 @@ class ParallelLinear(nn.Linear):
         if part not in self.parts:
             raise ModelLoadError(f"tensor {name!r}: {type(self).__name__} has no part {part!r}")
         start, size = self.parts[part]
+        handles = getattr(self.method, "handles", None)
+        if kind != "bias" and handles is not None and handles(kind):  # a quantized checkpoint's tensors
+            self.method.load(self, kind, start, size, tensor, name)
+            return
         value = self.cut(kind, part, tensor)
         if kind == "bias":
             if self.bias is None:
@@ -209,6 +213,19 @@ def use_int8(model: nn.Module, group_size: int | None) -> int:
     for layer in layers:
         layer.method = Int8Weights(layer, group_size)
     return len(layers)
+
+
+def use_checkpoint_quantization(model: nn.Module, fmt) -> int:
+    """Every projection the quantized checkpoint ``fmt`` (model/quant_formats.py) stores quantized takes its
+    tensors from now on (before loading); the LM head and the modules it lists as ignored stay float."""
+    from .quant_methods import CheckpointWeights
+
+    count = 0
+    for name, layer in model.named_modules():
+        if isinstance(layer, ParallelLinear) and not isinstance(layer, VocabParallelLMHead) and not fmt.skips(name):
+            layer.method = CheckpointWeights(layer, fmt)
+            count += 1
+    return count
 
 
 def finish_layers(model: nn.Module) -> int:

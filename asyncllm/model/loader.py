@@ -135,8 +135,13 @@ def _load_tensor(model, modules: dict, name: str, tensor, fused_map: dict, from_
         fused, part = fused_map[leaf]
         path = f"{parent}.{fused}" if parent else fused
     module = modules.get(path)
-    if module is None or kind not in dict(module.named_parameters(recurse=False)):
+    method = getattr(module, "method", None)
+    quantized = hasattr(method, "handles") and kind != "bias" and method.handles(kind)
+    if module is None or not (quantized or kind in dict(module.named_parameters(recurse=False))):
         raise ModelLoadError(f"unexpected tensor {original!r} in checkpoint (no matching parameter)")
+    if quantized:  # a quantized checkpoint's qweight, scales...: its main tensor stands for the weight
+        module.weight_loader(kind, tensor, part, original)
+        return f"{path}.{'weight' if method.primary(kind) else kind}:{part}"
     loader = getattr(module, "weight_loader", None)
     if loader is not None:
         loader(kind, tensor, part, original)

@@ -25,7 +25,9 @@ from torch import nn
 from ..errors import ConfigError, ModelLoadError
 from .gguf_weights import Q8_0_GROUP, QuantizedRows
 
-QUANTIZATION_CHOICES = (None, "int8", "none")
+# None, "int8", "none", or a quantized checkpoint's format (model/quant_formats.py: it must agree with the file)
+QUANTIZATION_CHOICES = (None, "int8", "none", "gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors",
+                        "compressed_tensors", "fp8")
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,17 @@ class WeightFormat:
 
     int8: bool = False
     group_size: int | None = None
+    checkpoint: object | None = None  # a quantized checkpoint's QuantizedFormat (its layers as it stores them)
 
 
 def decide_weight_format(quantization: str | None, is_gguf: bool, gguf_linear_types: set[str]) -> WeightFormat:
     """The :class:`WeightFormat` for an engine argument and checkpoint (see the module doc)."""
     if quantization not in QUANTIZATION_CHOICES:
-        raise ConfigError(f"quantization must be one of None, 'int8', 'none'; got {quantization!r}")
+        raise ConfigError(f"quantization must be one of {', '.join(map(repr, QUANTIZATION_CHOICES))}; "
+                          f"got {quantization!r}")
+    if quantization not in ("int8", "none", None):  # a checkpoint format, on a GGUF file
+        raise ConfigError(f"quantization={quantization!r}: GGUF files carry their own quantization (None, 'int8' "
+                          "or 'none')")
     if quantization == "none":
         return WeightFormat()
     if quantization is None:

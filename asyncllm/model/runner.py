@@ -28,7 +28,9 @@ from ..kernels.transfer import stage, to_device
 from .cuda_graphs import DecodeGraphs
 from ..platform import Platform, decide_platform
 from .loader import load_weights
-from .layers import finish_layers, use_int8
+from ..kernels.quant_linear import Fp8Linear, GroupQuantLinear
+from .layers import finish_layers, use_checkpoint_quantization, use_int8
+from .quant_formats import check_requested, checkpoint_format
 from .quantization import WeightFormat, decide_weight_format, int8_tied_head
 from .source import ModelSource, gguf_linear_types
 from .step_io import StepInput, StepOutput
@@ -102,7 +104,9 @@ class ModelRunner:
         # before packing: the decode stack reads the dense float weights (kernels/cpu_decode_stack.py)
         self.decode_stack = (DecodeStack.build(self.model, self.kv_caches, self.weight_format.int8,
                                                self.weight_format.group_size)
-                             if self.platform.decode_stack and self.model_class.fast_paths.decode_stack else None)
+                             if self.platform.decode_stack and self.model_class.fast_paths.decode_stack
+                             # a quantized checkpoint's 4-bit and FP8 layers are not in the kernel
+                             and (self.weight_format.checkpoint is None or self.weight_format.int8) else None)
         if not self.weight_format.int8 and self.platform.packed_linears:
             self._pack_cpu_linears()
         if not self.architecture.native:
@@ -117,6 +121,11 @@ class ModelRunner:
             model = self.model_class(self.local_shape, rotaries, self.backend, self.lora, self.tp,
                                      self.shape).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
+        stored = None if source.is_gguf else checkpoint_format(source.root)  # GPTQ, AWQ, FP8...
+        check_requested(config.quantization, stored)
+        if stored is not None:
+            self._load_quantized(source, stored)
+            return
         self.weight_format = decide_weight_format(config.quantization, source.is_gguf,
                                                   gguf_linear_types(source) if source.is_gguf else set())
         if self.weight_format.int8:
@@ -128,6 +137,23 @@ class ModelRunner:
                 int8_tied_head(self.model, self.weight_format)
                 count += 1
             logger.info("int8 weights: %d layers (groups of %s)", count, self.weight_format.group_size or "a row")
+        self.model.build_rotaries(self.device, self.dtype)
+
+    def _load_quantized(self, source: ModelSource, stored) -> None:
+        """A quantized checkpoint: each projection keeps the checkpoint's quantized weights (model/quant_methods.py)."""
+        from ..kernels.int8_linear import Int8Linear
+
+        count = use_checkpoint_quantization(self.model, stored)
+        load_weights(self.model, source, self.architecture, shape=self.shape)
+        finish_layers(self.model)
+        layers = [m for layer in self.model.model.layers for m in layer.modules()
+                  if isinstance(m, (Int8Linear, GroupQuantLinear, Fp8Linear))]
+        # int8 layers throughout (W8A8, symmetric 8-bit GPTQ): the int8 decode stack reads them as they are
+        int8 = bool(layers) and all(isinstance(m, Int8Linear) for m in layers)
+        group = {None if m.group_size == m.in_features else m.group_size for m in layers} if int8 else set()
+        self.weight_format = WeightFormat(int8 and len(group) == 1, next(iter(group)) if len(group) == 1 else None,
+                                          checkpoint=stored)
+        logger.info("%s checkpoint: %d projections kept quantized", stored.describe(), count)
         self.model.build_rotaries(self.device, self.dtype)
 
     def _load_through_transformers(self, config: EngineConfig, hf_config, source: ModelSource,

@@ -159,9 +159,36 @@ def _compiler() -> str | None:
     return None
 
 
+# /proc/cpuinfo flag -> the llama.cpp (ggml) build option that turns that instruction set on
+_GGML_ISA = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+             "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+             "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI"}
+
+
+def llamacpp_isa_flags(cpuinfo: str | None = None) -> list[str]:
+    """cmake options naming this CPU's instruction sets one by one, AMX off. ``GGML_NATIVE=ON`` would also turn
+    on AMX where cpuinfo lists it, and a kernel that has not granted the tile state to the process then kills
+    llama.cpp with SIGILL in its Q8_0 path (seen on these machines): so native detection stays off."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ["-DGGML_NATIVE=ON"]  # not Linux: the build's own detection
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    options = ["-DGGML_NATIVE=OFF"]
+    options += [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in _GGML_ISA.items()]
+    options += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return options
+
+
 def build_llamacpp(root: Path, jobs: int) -> Path:
     """Download the llama-cpp-python sdist into ``root`` (unless a llama.cpp tree is there already), extract it and
-    build ``llama-batched-bench`` and ``llama-quantize`` with cmake (Release, native CPU, static, no curl).
+    build ``llama-batched-bench`` and ``llama-quantize`` with cmake (Release, this CPU's instruction sets
+    named one by one and AMX off (:func:`llamacpp_isa_flags`), static, no curl).
     Returns the tree; raises :class:`Unavailable` when cmake or a compiler is missing."""
     if shutil.which("cmake") is None:
         raise Unavailable("cmake is not installed: cannot build llama.cpp")
@@ -193,7 +220,7 @@ def build_llamacpp(root: Path, jobs: int) -> Path:
         f"(about 10 minutes on 2 cores; output in {build_log})")
     with open(build_log, "w") as out:
         for cmd in (["cmake", "-S", str(tree), "-B", str(tree / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                     "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"],
+                     *llamacpp_isa_flags(), "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"],
                     ["cmake", "--build", str(tree / "build"), f"-j{jobs}", "--target", *LLAMACPP_TARGETS]):
             out.write("$ " + " ".join(cmd) + "\n")
             out.flush()

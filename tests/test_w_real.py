@@ -188,3 +188,14 @@ def test_the_suite_runner_can_drive_it(tmp_path):
     assert tiny.batches == [1, 2] and w_real.TRANSFORMERS not in tiny.engines and not tiny.build_llamacpp
     full = w_real.parse_args([])
     assert (full.batches, full.prompt_len, full.gen_len, full.repeats) == ([1, 8, 32], 128, 128, 1)
+
+
+def test_llamacpp_is_built_for_the_cpus_instruction_sets_with_amx_off():
+    """Native detection would turn AMX on where cpuinfo lists it, and llama.cpp then dies with SIGILL
+    where the kernel did not grant the tile state: the build names each instruction set instead."""
+    from benchmarks.w_real import llamacpp_isa_flags
+
+    cpuinfo = "processor\t: 0\nflags\t\t: fpu sse avx avx2 fma f16c avx512f avx512_vnni amx_tile amx_int8\n"
+    flags = llamacpp_isa_flags(cpuinfo)
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX512=ON" in flags and "-DGGML_AVX512_VNNI=ON" in flags
+    assert "-DGGML_AVX512_BF16=OFF" in flags and "-DGGML_AMX_INT8=OFF" in flags and "-DGGML_AMX_TILE=OFF" in flags

@@ -10,6 +10,9 @@ Every packed integer format is brought, at load, to one layout that the kernels 
   units, so a symmetric 4-bit checkpoint has 8 everywhere.
 - ``perm``: int64 ``[K]`` or None. With act-order (GPTQ ``desc_act``) the columns are stored sorted by group,
   and the input is gathered the same way: ``y = x[:, perm] @ W.T``.
+- ``group_index``: int64 ``[K]`` or None: the group of each stored column, where groups are not runs of
+  ``K // groups`` columns (an act-order layer cut by tensor parallelism: a rank's columns come from any
+  group, unevenly). Only the torch path takes it.
 
 The weight is never widened to float in memory except transiently, one layer at a time, in the torch
 reference path. That path is the oracle of the faster kernels' tests.
@@ -39,10 +42,12 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_groups(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      dtype: torch.dtype = torch.float32, group_index: torch.Tensor | None = None) -> torch.Tensor:
     """The float ``[N, K]`` weight of the layout above (columns in stored order)."""
     q = unpack_int4(packed) if bits == 4 else packed
     n, k = q.shape
+    if group_index is not None:  # uneven groups: each column's scale and zero point gathered
+        return ((q.float() - zeros.float()[:, group_index]) * scales.float()[:, group_index]).to(dtype)
     group = k // scales.shape[1]
     q = q.float().reshape(n, scales.shape[1], group)
     weight = (q - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)
@@ -53,14 +58,15 @@ class GroupQuantLinear(nn.Module):
     """``y = x[:, perm] @ W.T + bias`` over the group-quantized layout of the module doc (4 or 8 bits)."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+                 group_index: torch.Tensor | None = None) -> None:
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         self.bits = bits
         self.out_features = packed.shape[0]
         self.in_features = packed.shape[1] * (2 if bits == 4 else 1)
-        if self.in_features % scales.shape[1]:
+        if group_index is None and self.in_features % scales.shape[1]:
             raise ValueError(f"{scales.shape[1]} groups do not divide {self.in_features} input columns")
         self.group_size = self.in_features // scales.shape[1]
         self.register_buffer("packed", packed.contiguous())
@@ -68,10 +74,11 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("zeros", zeros.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self.register_buffer("perm", None if perm is None else perm.long().contiguous())
+        self.register_buffer("group_index", None if group_index is None else group_index.long().contiguous())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight, columns in stored (group-sorted) order."""
-        return dequantize_groups(self.packed, self.scales, self.zeros, self.bits, dtype)
+        return dequantize_groups(self.packed, self.scales, self.zeros, self.bits, dtype, self.group_index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:

@@ -89,7 +89,7 @@ class ParallelLinear(nn.Linear):
         start, size = self.parts[part]
         handles = getattr(self.method, "handles", None)
         if kind != "bias" and handles is not None and handles(kind):  # a quantized checkpoint's tensors
-            self.method.load(self, kind, start, size, tensor, name)
+            self.method.load(self, kind, part, tensor, name)  # (it cuts to this rank itself)
             return
         value = self.cut(kind, part, tensor)
         if kind == "bias":

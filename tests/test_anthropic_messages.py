@@ -1,6 +1,7 @@
 """The official ``anthropic`` client against ``POST /v1/messages`` (and count_tokens), served by uvicorn."""
 
 import json
+import sys
 
 import anthropic
 import httpx
@@ -204,3 +205,72 @@ def test_failure_mid_stream_is_an_error_event():
     assert "event: message_start" in text and "[DONE]" not in text
     error = json.loads(text.split("event: error", 1)[1].split("data: ", 1)[1].splitlines()[0])
     assert error == {"type": "error", "error": {"type": "overloaded_error", "message": "the engine is not available"}}
+
+
+# what the model writes as a call's arguments is its own text: strict JSON it need not be
+UNCARRIABLE_ARGUMENTS = ['{"x": 1e999}', '{"x": NaN}', '{"x": -Infinity}', '{"x": "\\ud800"}', '{"\\udfff": 1}',
+                         '{"x": ' + "[" * 100_000 + "]" * 100_000 + "}"]
+
+
+def _tool_output(name: str, arguments: str, finish_reason: str | None = "tool_calls"):
+    from asyncllm.outputs import CompletionOutput, RequestOutput
+    from asyncllm.tools import ToolCall
+
+    return RequestOutput("msg_1", None, [1, 2], [CompletionOutput(
+        0, "", [3], finish_reason=finish_reason, tool_calls=[ToolCall(0, "call_1", name, arguments)])])
+
+
+@pytest.mark.parametrize("arguments", UNCARRIABLE_ARGUMENTS)
+def test_tool_input_strict_json_cannot_carry_is_empty(arguments):
+    # (found by the fuzz: a forced call's "1e999" made the whole answer a 500)
+    from asyncllm.server.anthropic_messages import _message
+    from asyncllm.server.serving import json_bytes
+
+    body = MessagesRequest.model_validate({"max_tokens": 4, "messages": MESSAGES})
+    answer = json_bytes(_message(body, "msg_1", "tiny", _tool_output("get_weather", arguments)))  # as json_answer does
+    (block,) = json.loads(answer, parse_constant=lambda constant: pytest.fail(constant))["content"]
+    assert block == {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {}}
+    good = _message(body, "msg_1", "tiny", _tool_output("get_weather", '{"city": "Oslo", "n": [[1e300]]}'))
+    assert good["content"][0]["input"] == {"city": "Oslo", "n": [[1e300]]}
+
+
+def test_tool_input_nested_near_the_recursion_limit():
+    # parsed, or not (where the limit lies depends on the Python), but never an answer that cannot be written
+    from asyncllm.server.anthropic_messages import _message
+    from asyncllm.server.serving import json_bytes
+
+    body = MessagesRequest.model_validate({"max_tokens": 4, "messages": MESSAGES})
+    for depth in range(sys.getrecursionlimit() - 30, sys.getrecursionlimit() + 5, 5):
+        arguments = '{"x": ' + "[" * depth + "]" * depth + "}"
+        answer = json_bytes(_message(body, "msg_1", "tiny", _tool_output("f", arguments)))
+        # (counted, not parsed: this test's own stack is deeper than a response thread's)
+        assert answer.count(b"[") == answer.count(b"]") in (1, 1 + depth), depth  # content: [{..., "input": ...}]
+        if answer.count(b"[") == 1:
+            assert json.loads(answer)["content"][0]["input"] == {}
+
+
+def test_tool_name_with_a_lone_surrogate_is_sent():
+    # a name is read from the model's JSON string: "\ud800" there must neither fail the answer nor cut the stream
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from asyncllm.server.anthropic_messages import _events, _message, _sse
+    from asyncllm.server.serving import json_bytes
+
+    body = MessagesRequest.model_validate({"max_tokens": 4, "messages": MESSAGES, "stream": True})
+    whole = json.loads(json_bytes(_message(body, "msg_1", "tiny", _tool_output("\ud800f", '{"a": 1}'))))
+    assert whole["content"][0]["name"] == "\ufffdf" and whole["content"][0]["input"] == {"a": 1}
+
+    async def deltas():
+        yield _tool_output("\ud800f", "", finish_reason=None)
+        yield _tool_output(None, '{"a": 1}')
+
+    async def endpoint(request):
+        return _sse(_events(body, "msg_1", "tiny", [deltas()]))
+
+    with TestClient(Starlette(routes=[Route("/", endpoint)])) as http:
+        text = http.get("/").text
+    events = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("event: ")]
+    assert events[-1] == "message_stop" and "error" not in events, text
+    assert '"name":"\ufffdf"' in text and '"partial_json":"{\\"a\\": 1}"' in text

@@ -9,6 +9,7 @@ SSE events, which, unlike OpenAI's, do not end with ``data: [DONE]``: hence its 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 
@@ -188,12 +189,33 @@ def stop_reason(c: CompletionOutput, body: MessagesRequest) -> tuple[str, str | 
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
-    # the tool parser hands over JSON text; Anthropic's ``input`` is always an object
+    """Anthropic's ``input``: always an object, and one the answer can carry. The tool parser hands over
+    the model's text as written; what is no JSON object, or one holding what strict JSON cannot
+    (NaN, Infinity, a number past a double's range such as ``1e999``, a lone surrogate ``"\\ud800"``,
+    nesting deeper than the encoder goes), is ``{}`` (a stream's partial_json still shows the text)."""
     try:
-        value = json.loads(arguments or "{}")
-    except ValueError:
+        value = json.loads(arguments or "{}", parse_constant=_not_json)
+        probe = value
+        for _ in range(8):  # nested as deep as the answer holds it, and then some
+            probe = [probe]
+        json.dumps(probe, ensure_ascii=False, allow_nan=False).encode()
+    except (ValueError, RecursionError):  # (UnicodeEncodeError is a ValueError)
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _tool_name(name: str | None) -> str | None:
+    """A call's name, as the parser read it from a JSON string: a lone surrogate (``"\\ud800"``) cannot
+    be sent as UTF-8 (the answer would fail, a stream would stop short), so it becomes U+FFFD, as
+    undecodable bytes of the text do."""
+    return _SURROGATE.sub("\ufffd", name) if name else name
 
 
 def _message(body: MessagesRequest, request_id: str, model: str, output: RequestOutput) -> dict[str, Any]:
@@ -203,7 +225,7 @@ def _message(body: MessagesRequest, request_id: str, model: str, output: Request
     content: list[dict[str, Any]] = []
     if c.text.strip():  # (whitespace around a tool call is no block: Anthropic refuses those sent back)
         content.append({"type": "text", "text": c.text})
-    content.extend({"type": "tool_use", "id": t.id, "name": t.name, "input": _tool_input(t.arguments)}
+    content.extend({"type": "tool_use", "id": t.id, "name": _tool_name(t.name), "input": _tool_input(t.arguments)}
                    for t in c.tool_calls or [])
     reason, sequence = stop_reason(c, body)
     return {"id": request_id, "type": "message", "role": "assistant", "model": model, "content": content,
@@ -283,7 +305,7 @@ async def _events(body: MessagesRequest, request_id: str, model: str,
                     yield "content_block_stop", {"type": "content_block_stop", "index": index}
                 index, open_kind, pending = index + 1, "tool_use", ""
                 yield "content_block_start", {"type": "content_block_start", "index": index, "content_block": {
-                    "type": "tool_use", "id": fragment.id, "name": fragment.name, "input": {}}}
+                    "type": "tool_use", "id": fragment.id, "name": _tool_name(fragment.name), "input": {}}}
             if fragment.arguments:
                 yield "content_block_delta", {"type": "content_block_delta", "index": index,
                                               "delta": {"type": "input_json_delta", "partial_json": fragment.arguments}}

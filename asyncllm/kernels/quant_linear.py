@@ -81,6 +81,10 @@ class GroupQuantLinear(nn.Module):
         return dequantize_groups(self.packed, self.scales, self.zeros, self.bits, dtype, self.group_index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # the Triton kernel (triton_quant_linear), where it applies
+            y = _triton_group_forward(self, x)
+            if y is not None:
+                return y
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -120,8 +124,66 @@ class Fp8Linear(nn.Module):
         return dequantize_fp8(self.weight, self.scale, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # the Triton kernel (triton_quant_linear), where it applies
+            y = _triton_fp8_forward(self, x)
+            if y is not None:
+                return y
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+# ---- CUDA: the Triton kernels of .triton_quant_linear --------------------------------------------------
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_triton_module = None  # the kernels' module once looked up; False without triton
+
+
+def _triton_kernels():
+    """:mod:`.triton_quant_linear`, imported on first use (it imports triton), or None without triton."""
+    global _triton_module
+    if _triton_module is None:
+        from .triton_utils import triton_available
+
+        _triton_module = False
+        if triton_available():
+            from . import triton_quant_linear
+
+            _triton_module = triton_quant_linear
+    return _triton_module or None
+
+
+def _triton_group_forward(layer: GroupQuantLinear, x: torch.Tensor) -> torch.Tensor | None:
+    """``layer(x)`` through the Triton kernel, or None where it does not apply: no triton, weights not on
+    CUDA, an activation dtype other than fp16 / bf16 / fp32, or uneven groups (``group_index``)."""
+    if not layer.packed.is_cuda or x.dtype not in _TRITON_DTYPES or layer.group_index is not None:
+        return None
+    kernels = _triton_kernels()
+    if kernels is None:
+        return None
+    if layer.perm is not None:
+        x = x.index_select(-1, layer.perm)
+    lead = x.shape[:-1]
+    y = kernels.group_quant_linear(x.reshape(-1, layer.in_features), layer.packed, layer.scales, layer.zeros,
+                                   layer.bits, layer.bias)
+    return y.reshape(*lead, layer.out_features)
+
+
+def _triton_fp8_forward(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """``layer(x)`` through the Triton kernel, or None where it does not apply (no triton, weights not on
+    CUDA, an activation dtype other than fp16 / bf16 / fp32)."""
+    if not layer.weight.is_cuda or x.dtype not in _TRITON_DTYPES:
+        return None
+    kernels = _triton_kernels()
+    if kernels is None:
+        return None
+    if layer.block is None:  # one scale for the tensor, or one per row
+        scale, block_n, block_k = layer.scale.reshape(-1, 1), 1, None
+    else:
+        (block_n, block_k), scale = layer.block, layer.scale
+    lead = x.shape[:-1]
+    y = kernels.fp8_linear(x.reshape(-1, layer.in_features), layer.weight, scale, block_k, layer.bias,
+                           block_n=block_n)
+    return y.reshape(*lead, layer.out_features)

@@ -246,7 +246,13 @@ def _gptq_find_params(x: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tens
     return scale, zero
 
 
+# projections that read the same input: GPTQ's Hessian (from that input), hence its act-order, is theirs alike
+_SAME_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+
+
 def _gptq_permutation(name: str, k: int, seed: int) -> torch.Tensor:
+    head, _, leaf = name.rpartition(".")
+    name = f"{head}.{_SAME_INPUT.get(leaf, leaf)}" if head else _SAME_INPUT.get(leaf, leaf)
     gen = torch.Generator().manual_seed((zlib.crc32(name.encode()) ^ seed) & 0x7FFFFFFF)
     return torch.randperm(k, generator=gen)
 

@@ -1,0 +1,100 @@
+"""Quantized checkpoints, written as each format's tool writes them (tests/quantized_checkpoints.py), load with
+their weights kept quantized, and greedy output equals transformers on the same dequantized weights token for
+token (docs/quantization.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import quantized_checkpoints as qc
+from asyncllm import LLM, SamplingParams
+from asyncllm.kernels.int8_linear import Int8Linear
+from asyncllm.kernels.quant_linear import Fp8Linear, GroupQuantLinear
+from checkpoints import random_prompts, reference_greedy, strong_peft_adapter
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+PROMPTS = random_prompts("quantized", [1, 6, 19, 33])
+
+# (id, writer, its options, the module the projections run as)
+FORMATS = [
+    ("gptq-4bit-g32-sym", qc.write_gptq, dict(bits=4, group_size=32, sym=True), GroupQuantLinear),
+    ("gptq-4bit-g32-actorder", qc.write_gptq, dict(bits=4, group_size=32, sym=True, desc_act=True), GroupQuantLinear),
+    ("gptq-v2-4bit-g64-asym-actorder-legacy-file", qc.write_gptq,
+     dict(bits=4, group_size=64, sym=False, desc_act=True, checkpoint_format="gptq_v2",
+          config_location="quantize_config.json"), GroupQuantLinear),
+    ("gptq-4bit-row-asym-v1", qc.write_gptq, dict(bits=4, group_size=-1, sym=False), GroupQuantLinear),
+    ("gptq-8bit-g32-sym", qc.write_gptq, dict(bits=8, group_size=32, sym=True), Int8Linear),
+    ("gptq-8bit-row-asym", qc.write_gptq, dict(bits=8, group_size=-1, sym=False), GroupQuantLinear),
+    ("awq-g64", qc.write_awq, dict(group_size=64), GroupQuantLinear),
+    ("awq-g32", qc.write_awq, dict(group_size=32), GroupQuantLinear),
+    ("ct-w4a16", qc.write_compressed_tensors, dict(scheme="W4A16", group_size=32), GroupQuantLinear),
+    ("ct-w4a16-asym", qc.write_compressed_tensors, dict(scheme="W4A16_ASYM", group_size=32), GroupQuantLinear),
+    ("ct-w8a16", qc.write_compressed_tensors, dict(scheme="W8A16", group_size=32), Int8Linear),
+    ("ct-w8a8", qc.write_compressed_tensors, dict(scheme="W8A8"), Int8Linear),
+    ("ct-fp8-channel", qc.write_compressed_tensors, dict(scheme="FP8"), Fp8Linear),
+    ("ct-fp8-tensor", qc.write_compressed_tensors, dict(scheme="FP8_TENSOR"), Fp8Linear),
+    ("ct-fp8-block", qc.write_compressed_tensors, dict(scheme="FP8_BLOCK", block=(32, 32)), Fp8Linear),
+    ("fp8-block-deepseek", qc.write_fp8_block, dict(block=(32, 32)), Fp8Linear),
+    ("fp8-block-partial", qc.write_fp8_block, dict(block=(48, 40)), Fp8Linear),
+]
+
+
+@pytest.fixture(scope="module")
+def source(model_dir_factory) -> Path:
+    return model_dir_factory("llama")
+
+
+def _projections(llm: LLM) -> list[torch.nn.Module]:
+    model = llm.engine.runner.model
+    return [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+@pytest.mark.parametrize("case", FORMATS, ids=[f[0] for f in FORMATS])
+def test_greedy_equals_transformers_on_the_dequantized_weights(source, tmp_path, case):
+    _, writer, options, runs_as = case
+    quantized = writer(source, tmp_path / "q", dst_dequant=tmp_path / "twin", **options)
+    expected = reference_greedy(tmp_path / "twin", PROMPTS, NEW_TOKENS)
+    llm = LLM(str(quantized), dtype="float32", block_size=4)
+    try:
+        assert {type(m) for m in _projections(llm)} == {runs_as}  # kept quantized, never widened
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.close()
+    assert got == expected
+
+
+def test_the_layers_hold_the_checkpoints_bytes_not_floats(source, tmp_path):
+    """4-bit projections take about half a byte per weight (plus the scales), as in the file."""
+    quantized = qc.write_gptq(source, tmp_path / "q", bits=4, group_size=32, sym=False)
+    llm = LLM(str(quantized), dtype="float32")
+    try:
+        layers = _projections(llm)
+        held = sum(t.numel() * t.element_size() for m in layers for t in m.buffers())
+        weights = sum(m.in_features * m.out_features for m in layers)
+    finally:
+        llm.close()
+    stored = sum(t.numel() * t.element_size() for name, t in qc.read_tensors(quantized).items()
+                 if ".layers." in name and name.rsplit(".", 1)[1] in ("qweight", "qzeros", "scales", "g_idx"))
+    assert held < 1.6 * stored and held < weights * 0.8  # float32 would be 4 bytes per weight
+    # the packed values alone are exactly the file's 4 bits per weight
+    assert sum(m.packed.numel() for m in layers) == weights // 2
+
+
+def test_lora_on_a_quantized_base_equals_peft_merged_on_the_dequantized_base(source, tmp_path):
+    quantized = qc.write_gptq(source, tmp_path / "q", bits=4, group_size=32, sym=True, desc_act=True,
+                              dst_dequant=tmp_path / "twin")
+    merged = strong_peft_adapter(tmp_path / "twin", ["q_proj", "v_proj", "down_proj"], tmp_path / "adapter", seed=5)
+    expected = reference_greedy(tmp_path / "twin", PROMPTS, NEW_TOKENS, model=merged)
+    llm = LLM(str(quantized), dtype="float32", block_size=4)
+    try:
+        llm.add_lora("a", str(tmp_path / "adapter"))
+        with_adapter = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, lora="a")]
+        base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.close()
+    assert with_adapter == expected and base != expected

@@ -98,3 +98,20 @@ def test_lora_on_a_quantized_base_equals_peft_merged_on_the_dequantized_base(sou
     finally:
         llm.close()
     assert with_adapter == expected and base != expected
+
+
+TP_CASES = [("gptq-4bit-g32-asym-actorder", qc.write_gptq, dict(bits=4, group_size=32, sym=False, desc_act=True)),
+            ("awq-g32", qc.write_awq, dict(group_size=32)),
+            ("fp8-block", qc.write_fp8_block, dict(block=(32, 32)))]
+
+
+@pytest.mark.parametrize("case", TP_CASES, ids=[c[0] for c in TP_CASES])
+def test_tensor_parallel_2_equals_transformers(source, tmp_path, case):
+    """Each rank cuts the quantized tensors itself: rows of q/k/v and gate/up, whole groups of o/down's input
+    columns (an act-order layer's columns come from every group: each keeps its own)."""
+    _, writer, options = case
+    quantized = writer(source, tmp_path / "q", dst_dequant=tmp_path / "twin", **options)
+    expected = reference_greedy(tmp_path / "twin", PROMPTS, NEW_TOKENS)
+    with LLM(str(quantized), dtype="float32", block_size=4, tensor_parallel_size=2, max_model_len=256,
+             kv_cache_memory=4 << 20) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected

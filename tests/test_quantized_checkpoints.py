@@ -1,4 +1,4 @@
-"""tests/quantized_checkpoints.py: each quantized checkpoint against its dequantized twin and the formats' specs.
+"""asyncllm/toy/quantized.py: each quantized checkpoint against its dequantized twin and the formats' specs.
 
 For every writer: the files hold the tensors the format specifies (names, dtypes, shapes, config keys); an
 independent reading of the files (AutoGPTQ's / AutoAWQ's / DeepSeek's dequantization, compressed-tensors'
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import quantized_checkpoints as qc
+from asyncllm.toy import quantized as qc
 
 TINY = dict(hidden_size=64, intermediate_size=128)  # the default llama: q/o 64x64, k/v 32x64, mlp 128x64 / 64x128
 

@@ -1,4 +1,4 @@
-"""Quantized checkpoints, written as each format's tool writes them (tests/quantized_checkpoints.py), load with
+"""Quantized checkpoints, written as each format's tool writes them (asyncllm/toy/quantized.py), load with
 their weights kept quantized, and greedy output equals transformers on the same dequantized weights token for
 token (docs/quantization.md)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import quantized_checkpoints as qc
+from asyncllm.toy import quantized as qc
 from asyncllm import LLM, SamplingParams
 from asyncllm.kernels.int8_linear import Int8Linear
 from asyncllm.kernels.quant_linear import Fp8Linear, GroupQuantLinear

@@ -11,7 +11,7 @@ runs:
 - Int8Linear (the int8 C and Triton kernels) for symmetric 8-bit and W8A8;
 - Fp8Linear for FP8.
 
-Every format's packing is undone here. The test helpers (tests/quantized_checkpoints.py) write each format
+Every format's packing is undone here. The writers of asyncllm/toy/quantized.py write each format
 independently, and the tests check the two against each other and against each tool's own unpacking.
 """
 

@@ -21,13 +21,12 @@ The formats, in short (each section below says more, field by field):
 - Fine-grained FP8 (DeepSeek-V3 / Qwen3-FP8): ``weight`` float8_e4m3fn ``[N, K]``, ``weight_scale_inv`` float32
   ``[ceil(N / bn), ceil(K / bk)]``.
 
-``unpack_gptq`` / ``unpack_awq`` / ``unpack_fp8_block`` re-read the files independently, following the
-dequantization code of AutoGPTQ (its QuantLinear torch path), AutoAWQ (``dequantize_gemm``) and DeepSeek-V3
-(``inference/kernel.py`` ``weight_dequant``); ``unpack_compressed_tensors`` uses the compressed-tensors
-library's own decompressors. ``tests/test_quantized_checkpoints.py`` checks them against the twins.
+``unpack_gptq`` / ``unpack_awq`` / ``unpack_fp8_block`` re-read the files independently, the way each tool's own
+dequantization reads them; ``unpack_compressed_tensors`` uses the compressed-tensors library's own
+decompressors. ``tests/test_quantized_checkpoints.py`` checks them against the twins.
 
-This module must stay free of pytest imports, and never imports ``asyncllm``: it is the independent
-implementation of each spec that the loader is tested against.
+This module imports nothing else of asyncllm: it is the independent implementation of each spec that the
+loader (model/quant_methods.py) is tested against. The benchmarks use it to quantize SmolLM2.
 """
 
 from __future__ import annotations

@@ -115,3 +115,18 @@ def test_tensor_parallel_2_equals_transformers(source, tmp_path, case):
     with LLM(str(quantized), dtype="float32", block_size=4, tensor_parallel_size=2, max_model_len=256,
              kv_cache_memory=4 << 20) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("desc_act", [False, True], ids=["plain", "actorder"])
+def test_a_partial_last_group_as_gptq_writes_it(model_dir_factory, tmp_path, desc_act):
+    """Input widths that groups of 64 do not divide (96 = 64 + 32, 192 = 3 x 64: SmolLM2's 576 in groups of
+    128 is the real case): the last group is partial, and greedy output still equals transformers'."""
+    source = model_dir_factory("llama", hidden_size=96, intermediate_size=160, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=24)
+    quantized = qc.write_gptq(source, tmp_path / "q", bits=4, group_size=64, sym=False, desc_act=desc_act,
+                              dst_dequant=tmp_path / "twin")
+    expected = reference_greedy(tmp_path / "twin", PROMPTS, NEW_TOKENS)
+    with LLM(str(quantized), dtype="float32", block_size=4) as llm:
+        o_proj = llm.engine.runner.model.model.layers[0].self_attn.o_proj
+        assert o_proj.in_features == 96 and o_proj.stored_features == (96 if desc_act else 128)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected

@@ -10,6 +10,8 @@ Every packed integer format is brought, at load, to one layout that the kernels 
   units, so a symmetric 4-bit checkpoint has 8 everywhere.
 - ``perm``: int64 ``[K]`` or None. With act-order (GPTQ ``desc_act``) the columns are stored sorted by group,
   and the input is gathered the same way: ``y = x[:, perm] @ W.T``.
+- ``in_features`` below the stored width: the last group is partial (GPTQ on 576 columns in groups of 128);
+  the stored weight has zero columns up to whole groups, and the input is padded with zeros to match.
 - ``group_index``: int64 ``[K]`` or None: the group of each stored column, where groups are not runs of
   ``K // groups`` columns (an act-order layer cut by tensor parallelism: a rank's columns come from any
   group, unevenly). Only the torch path takes it.
@@ -61,16 +63,19 @@ class GroupQuantLinear(nn.Module):
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
-                 group_index: torch.Tensor | None = None) -> None:
+                 group_index: torch.Tensor | None = None, in_features: int | None = None) -> None:
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         self.bits = bits
         self.out_features = packed.shape[0]
-        self.in_features = packed.shape[1] * (2 if bits == 4 else 1)
-        if group_index is None and self.in_features % scales.shape[1]:
-            raise ValueError(f"{scales.shape[1]} groups do not divide {self.in_features} input columns")
-        self.group_size = self.in_features // scales.shape[1]
+        self.stored_features = packed.shape[1] * (2 if bits == 4 else 1)
+        self.in_features = in_features or self.stored_features
+        if group_index is None and self.stored_features % scales.shape[1]:
+            raise ValueError(f"{scales.shape[1]} groups do not divide {self.stored_features} input columns")
+        if self.in_features != self.stored_features and (perm is not None or group_index is not None):
+            raise ValueError("a partial last group cannot be combined with act-order")
+        self.group_size = self.stored_features // scales.shape[1]
         self.register_buffer("packed", packed.contiguous())
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("zeros", zeros.float().contiguous())
@@ -83,6 +88,8 @@ class GroupQuantLinear(nn.Module):
         return dequantize_groups(self.packed, self.scales, self.zeros, self.bits, dtype, self.group_index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stored_features != self.in_features:  # a partial last group: zero columns make it whole
+            x = F.pad(x, (0, self.stored_features - self.in_features))
         if x.is_cuda:  # the Triton kernel (triton_quant_linear), where it applies
             y = _triton_group_forward(self, x)
             if y is not None:
@@ -96,7 +103,7 @@ class GroupQuantLinear(nn.Module):
             buffers = self._buffers
             if buffers["group_index"] is None:
                 kernel = int4_linear_cpu if self.bits == 4 else uint8_linear_cpu
-                y = kernel(x if x.dim() == 2 else x.reshape(-1, self.in_features), buffers["packed"],
+                y = kernel(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), buffers["packed"],
                            buffers["scales"], buffers["zeros"], buffers["bias"])
                 if y is not None:
                     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
@@ -179,7 +186,7 @@ def _triton_group_forward(layer: GroupQuantLinear, x: torch.Tensor) -> torch.Ten
     if layer.perm is not None:
         x = x.index_select(-1, layer.perm)
     lead = x.shape[:-1]
-    y = kernels.group_quant_linear(x.reshape(-1, layer.in_features), layer.packed, layer.scales, layer.zeros,
+    y = kernels.group_quant_linear(x.reshape(-1, x.shape[-1]), layer.packed, layer.scales, layer.zeros,
                                    layer.bits, layer.bias)
     return y.reshape(*lead, layer.out_features)
 

@@ -62,8 +62,12 @@ class CheckpointWeights:
         self.row_cut = hasattr(layer, "column_share") and layer.tp.enabled  # a RowParallelLinear, cut
         layer.weight = nn.Parameter(torch.empty(0, device=self.device), requires_grad=False)  # never float
         self.g_idx: torch.Tensor | None = None
+        # a partial last group (576 columns in groups of 128): stored with zero columns up to whole groups,
+        # except under act-order, whose sorted groups are uneven anyway (each column's group is kept)
+        group = fmt.group_size or k
+        self.stored_k = -(-k // group) * group if fmt.kind == "int" and not fmt.desc_act else k
         if fmt.kind == "int":
-            self.packed = torch.zeros(n, k * fmt.bits // 8, dtype=torch.uint8, device=self.device)
+            self.packed = torch.zeros(n, self.stored_k * fmt.bits // 8, dtype=torch.uint8, device=self.device)
         elif fmt.kind == "int8":
             self.qweight = torch.zeros(n, k, dtype=torch.int8, device=self.device)
         else:
@@ -115,11 +119,11 @@ class CheckpointWeights:
         packed, perm, group_index = self.packed, None, None
         if self.g_idx is not None and self.fmt.desc_act and not self._trivial_groups(scales.shape[1]):
             packed, perm, group_index = self._sorted_by_group(scales.shape[1])
-        if self.fmt.bits == 8 and perm is None and bool((zeros == 128).all()):
+        if self.fmt.bits == 8 and perm is None and self.stored_k == self.k and bool((zeros == 128).all()):
             from ..kernels.int8_linear import Int8Linear  # symmetric 8-bit: the int8 kernels, decode stack too
 
             return Int8Linear((packed.to(torch.int16) - 128).to(torch.int8), scales, bias)
-        return GroupQuantLinear(packed, scales, zeros, self.fmt.bits, bias, perm, group_index)
+        return GroupQuantLinear(packed, scales, zeros, self.fmt.bits, bias, perm, group_index, in_features=self.k)
 
     # ---- cutting and storing -------------------------------------------------------------------------
     def _full_k(self, layer: nn.Module) -> int:
@@ -155,6 +159,8 @@ class CheckpointWeights:
         if target == "values":
             if value.shape[1] != self.k:
                 raise ModelLoadError(f"tensor {name!r} unpacks to {tuple(value.shape)}, expected {(size, self.k)}")
+            if self.stored_k != self.k:
+                value = torch.nn.functional.pad(value, (0, self.stored_k - self.k))
             rows = pack_int4(value) if self.fmt.bits == 4 else value.to(torch.uint8)
             self.packed[start:start + size].copy_(rows)
         elif target == "qweight":

@@ -274,3 +274,21 @@ def test_tool_name_with_a_lone_surrogate_is_sent():
     events = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("event: ")]
     assert events[-1] == "message_stop" and "error" not in events, text
     assert '"name":"\ufffdf"' in text and '"partial_json":"{\\"a\\": 1}"' in text
+
+
+def test_a_wrong_method_on_the_messages_route_answers_in_anthropics_shape(model_dirs):
+    """Starlette's own 405 (and the catch-all 500) on these routes use Anthropic's error shape too."""
+    from asyncllm import AsyncLLM
+    from asyncllm.server import create_app
+    from server_helpers import request
+
+    llm = AsyncLLM(str(model_dirs["llama"]), dtype="float32")
+    try:
+        app = create_app(llm)
+        answer = request(app, "GET", "/v1/messages")
+        assert answer.status_code == 405
+        assert answer.json()["type"] == "error" and answer.json()["error"]["type"] == "invalid_request_error"
+        assert "error" in request(app, "GET", "/v1/chat/completions").json()  # OpenAI's shape stays elsewhere
+        assert request(app, "GET", "/v1/chat/completions").json()["error"]["type"] == "invalid_request_error"
+    finally:
+        llm.close()

@@ -122,7 +122,7 @@ def create_app(llm: "AsyncLLM", model_name: str | None = None, api_key: str | No
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
                                      allow_headers=["*"], allow_credentials="*" not in origins))
     app = Starlette(routes=routes, middleware=middleware,
-                    exception_handlers={HTTPException: http_exception_handler, Exception: _internal_error})
+                    exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
     app.state.asyncllm = ctx  # for hosts and tests: the engine, model name and metrics registry
     return app
 
@@ -168,9 +168,24 @@ def _check_api_key(request: Request, api_key: str) -> None:
                        code="invalid_api_key")
 
 
+def _anthropic_route(request: Request) -> bool:
+    """Whether the request is for the Anthropic routes, which answer errors in Anthropic's shape."""
+    return request.url.path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
+
+
+async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own 404/405 in the shape of the route's API."""
+    if _anthropic_route(request):
+        status = getattr(exc, "status_code", 500)
+        return anthropic_error(APIError(status, f"{request.method} {request.url.path}: "
+                                                f"{getattr(exc, 'detail', None) or 'error'}"))
+    return await http_exception_handler(request, exc)
+
+
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    """A bug, not bad input: still answered in OpenAI's shape (and logged by the server)."""
-    return APIError(500, f"internal server error: {type(exc).__name__}").response()
+    """A bug, not bad input: still answered in the API's shape (and logged by the server)."""
+    error = APIError(500, f"internal server error: {type(exc).__name__}")
+    return anthropic_error(error) if _anthropic_route(request) else error.response()
 
 
 # ---- small routes ------------------------------------------------------------------------------

@@ -153,7 +153,10 @@ class ModelRunner:
         group = {None if m.group_size == m.in_features else m.group_size for m in layers} if int8 else set()
         self.weight_format = WeightFormat(int8 and len(group) == 1, next(iter(group)) if len(group) == 1 else None,
                                           checkpoint=stored)
-        logger.info("%s checkpoint: %d projections kept quantized", stored.describe(), count)
+        held = sum(t.numel() * t.element_size() for m in layers for t in m.buffers())
+        logger.info("%s checkpoint: %d projections kept quantized, %.1f MiB (%.2f bytes per weight)",
+                    stored.describe(), count, held / 2**20,
+                    held / max(1, sum(m.in_features * m.out_features for m in layers)))
         self.model.build_rotaries(self.device, self.dtype)
 
     def _load_through_transformers(self, config: EngineConfig, hf_config, source: ModelSource,

@@ -12,7 +12,10 @@ mixed steps and larger batches keep the regular path (oneDNN's packed GEMM wins 
 Float32 projections are read as panels of 32 output columns (:func:`to_panels`, made at load; the
 oneDNN-packed copies serve the regular path, so float32 weights are held twice while this path is
 on; ``ASYNCLLM_CPU_DECODE_STACK=0`` turns it off); builds without AVX-512 read them row-major.
-Int8 projections are read straight from their ``qweight``/``scales`` buffers (no second copy).
+Int8 projections are read straight from their ``qweight``/``scales`` buffers (no second copy), and so are
+4-bit ones (``GroupQuantLinear`` of a GPTQ / AWQ / compressed-tensors checkpoint: ``packed`` nibbles,
+``scales``, ``zeros``; one group size for every projection, a padded partial last group included; no
+act-order), by int4_linear.c's loops, for batches up to :data:`MAX_PANEL_ROWS` rows.
 Not used for LoRA steps, Qwen3's q/k norms, families whose layers are not Llama's (``DecoderShape.llama_math``,
 plain full-width rope), or shapes the kernel does not take (widths not a multiple of 8).
 """
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from .cpu_build import load_library
+from .quant_linear import GroupQuantLinear
 from .metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -44,7 +48,11 @@ PANEL = 32  # output columns per panel (csrc/decode_stack.c)
 MAX_CHAINED_ROWS = 8
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
-                 "gate_up_scales", "down_scales", "qkv_bias", "k_cache", "v_cache")
+                 "gate_up_scales", "down_scales", "qkv_bias", "k_cache", "v_cache", "qkv_zeros", "o_zeros",
+                 "gate_up_zeros", "down_zeros")
+# the weights' kinds the kernel reads (its ``kind`` argument)
+WEIGHT_KINDS = {"float32": 0, "int8": 1, "int4": 2}
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class _Layer(ctypes.Structure):
@@ -82,16 +90,56 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
-def _projection(module: nn.Module, panels: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(weight as the kernel reads it, scales or None, bias or None) of a projection: nn.Linear (row-major,
-    or panels) or Int8Linear (row-major int8)."""
-    if isinstance(module, nn.Linear):
+def _projection(module: nn.Module, weights: str, panels: bool) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                        torch.Tensor | None, torch.Tensor | None]:
+    """(weight as the kernel reads it, scales or None, zeros or None, bias or None) of a projection: nn.Linear
+    (row-major, or panels), Int8Linear (row-major int8) or a 4-bit GroupQuantLinear (packed nibbles, checked
+    by :func:`_int4_group`). A module of another kind than ``weights`` raises TypeError."""
+    if weights == "float32":
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"{type(module).__name__} among float32 projections")
         weight = module.weight.detach()
-        return (to_panels(weight) if panels else weight.contiguous()), None, module.bias
+        return (to_panels(weight) if panels else weight.contiguous()), None, None, module.bias
+    if weights == "int4":
+        if not isinstance(module, GroupQuantLinear):
+            raise TypeError(f"{type(module).__name__} among 4-bit projections")
+        return module.packed, module.scales, module.zeros, module.bias
     qweight, scales = getattr(module, "qweight", None), getattr(module, "scales", None)
     if qweight is None or scales is None or qweight.dtype != torch.int8:
         raise TypeError(f"no row-major weight for {type(module).__name__}")
-    return qweight.contiguous(), scales.float().contiguous(), getattr(module, "bias", None)
+    return qweight.contiguous(), scales.float().contiguous(), None, getattr(module, "bias", None)
+
+
+def _int4_group(modules: list[tuple[str, nn.Module]]) -> int:
+    """The group size (0: one group per row) shared by 4-bit projections that the kernel reads as they are,
+    or TypeError with the reason."""
+    groups = set()
+    for name, m in modules:
+        if not isinstance(m, GroupQuantLinear):
+            raise TypeError(f"{name} is {type(m).__name__}, not a 4-bit GroupQuantLinear (mixed layers)")
+        if m.bits != 4:
+            raise TypeError(f"{name} has {m.bits}-bit weights (the kernel reads 4 bits)")
+        if m.perm is not None or m.group_index is not None:
+            raise TypeError(f"{name} is act-order (perm / group_index): not in the kernel")
+        if m.packed.device.type != "cpu" or m.packed.dtype != torch.uint8 or not m.packed.is_contiguous():
+            raise TypeError(f"{name}: packed weight not contiguous uint8 on CPU")
+        for t in (m.scales, m.zeros):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (m.out_features, m.scales.shape[1]):
+                raise TypeError(f"{name}: scales / zeros not float32 [N, groups]")
+        if name != "qkv" and m.bias is not None:
+            raise TypeError(f"{name} has a bias (the kernel adds qkv's only)")
+        if -(-m.in_features // m.group_size) * m.group_size != m.stored_features:
+            raise TypeError(f"{name}: {m.stored_features} stored columns are not {m.in_features} in whole groups")
+        groups.add(m.group_size)
+    per_row = all(m.scales.shape[1] == 1 and m.stored_features == m.in_features for _, m in modules)
+    if per_row:
+        return 0
+    if len(groups) != 1:
+        raise TypeError(f"4-bit projections in different group sizes ({sorted(groups)})")
+    group = groups.pop()
+    if group % 32:
+        raise TypeError(f"4-bit groups of {group} columns (the kernel takes multiples of 32, or one per row)")
+    return group
 
 
 def _plain_rope(model: nn.Module, shape) -> bool:
@@ -103,12 +151,14 @@ class DecodeStack:
     """The model's layers, as pointers for the C kernel; build with :meth:`build` (None when the
     model or machine does not qualify)."""
 
-    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], int8: bool,
+    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], weights: str,
                  group: int) -> None:
         shape = model.shape
-        self.shape, self.int8, self.group = shape, int8, group
-        self.panels = not int8 and panels_supported()
-        self.max_rows = MAX_PANEL_ROWS if self.panels else MAX_ROWS
+        self.shape, self.weights, self.group = shape, weights, group
+        self.int8, self.kind = weights == "int8", WEIGHT_KINDS[weights]
+        self.panels = weights == "float32" and panels_supported()
+        # 4 bits: int4_linear.c's loops, register tiles up to 12 rows and widened panels above (its MB: 64)
+        self.max_rows = MAX_PANEL_ROWS if self.panels or weights == "int4" else MAX_ROWS
         self.model = model
         self._keep: list[torch.Tensor] = []  # every tensor a pointer refers to
         layers = (_Layer * shape.num_layers)()
@@ -118,8 +168,8 @@ class DecodeStack:
                       "k_cache": k_cache, "v_cache": v_cache}
             for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
-                weight, scales, bias = _projection(module, self.panels)
-                fields[name], fields[f"{name}_scales"] = weight, scales
+                weight, scales, zeros, bias = _projection(module, weights, self.panels)
+                fields[name], fields[f"{name}_scales"], fields[f"{name}_zeros"] = weight, scales, zeros
                 if name == "qkv":
                     fields["qkv_bias"] = bias
             for name, tensor in fields.items():
@@ -135,10 +185,17 @@ class DecodeStack:
         self.scale = shape.head_dim ** -0.5
 
     @classmethod
-    def build(cls, model: nn.Module, kv_caches, int8: bool, group: int | None) -> "DecodeStack | None":
-        """The stack for ``model`` when this path can run it here, else None (the reason is logged)."""
+    def build(cls, model: nn.Module, kv_caches, weights: str | bool, group: int | None) -> "DecodeStack | None":
+        """The stack for ``model`` when this path can run it here, else None (the reason is logged).
+
+        ``weights``: how the projections are held, ``"float32"``, ``"int8"`` (``group`` values per scale, None:
+        one per row) or ``"int4"`` (every projection a 4-bit GroupQuantLinear; the group size is read from
+        the layers, ``group`` is not used); a bool means int8 or float32."""
+        if isinstance(weights, bool):
+            weights = "int8" if weights else "float32"
         shape = model.shape
         reason = None
+        int8 = weights == "int8"
         if not enabled():
             reason = f"{ENV_SWITCH}=0"
         elif _library() is None:
@@ -151,11 +208,19 @@ class DecodeStack:
             reason = "widths must be multiples of 8"
         elif int8 and group and group % 8:
             reason = "int8 groups must be multiples of 8"
+        elif weights not in WEIGHT_KINDS:
+            reason = f"{weights} weights are not in the kernel"
         elif kv_caches[0][0].dtype != torch.float32:
             reason = "float32 only"
         if reason is None:
             try:
-                return cls(model, kv_caches, int8, group or 0)
+                if weights == "int4":
+                    group = _int4_group([(name, getattr(module, proj)) for layer in model.model.layers
+                                         for name, module, proj in (("qkv", layer.self_attn, "qkv_proj"),
+                                                                    ("o", layer.self_attn, "o_proj"),
+                                                                    ("gate_up", layer.mlp, "gate_up_proj"),
+                                                                    ("down", layer.mlp, "down_proj"))])
+                return cls(model, kv_caches, weights, group or 0)
             except TypeError as e:
                 reason = str(e)
         logger.info("CPU decode stack off: %s", reason)
@@ -177,11 +242,13 @@ class DecodeStack:
         tables = meta.block_tables.contiguous()
         seq_lens = meta.seq_lens_tensor.contiguous()
         failed = _library().decode_stack_f32(
-            self.layers, s.num_layers, int(self.int8), self.group, hidden.data_ptr(), hidden.shape[0],
+            self.layers, s.num_layers, self.kind, self.group, hidden.data_ptr(), hidden.shape[0],
             self.final_norm.data_ptr(), self.eps, s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads,
             s.head_dim, positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), meta.block_size, self.scale,
             torch.get_num_threads(), int(meta.chained))
+        if failed == 3:
+            raise ValueError(f"{hidden.shape[0]} rows: more than the kernel takes for {self.weights} weights")
         if failed == 2:
             raise IndexError(f"a position or sequence length is outside the rotary tables (0..{self.cos.shape[0] - 1})")
         if failed:

@@ -102,11 +102,15 @@ class ModelRunner:
         self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
         self.kv_caches = self._allocate_kv_caches()
         # before packing: the decode stack reads the dense float weights (kernels/cpu_decode_stack.py)
-        self.decode_stack = (DecodeStack.build(self.model, self.kv_caches, self.weight_format.int8,
+        stored = self.weight_format.checkpoint
+        int4 = stored is not None and getattr(stored, "kind", None) == "int" and getattr(stored, "bits", None) == 4
+        self.decode_stack = (DecodeStack.build(self.model, self.kv_caches,
+                                               "int8" if self.weight_format.int8 else "int4" if int4 else "float32",
                                                self.weight_format.group_size)
                              if self.platform.decode_stack and self.model_class.fast_paths.decode_stack
-                             # a quantized checkpoint's 4-bit and FP8 layers are not in the kernel
-                             and (self.weight_format.checkpoint is None or self.weight_format.int8) else None)
+                             # a quantized checkpoint's FP8 and 8-bit zero-point layers are not in the kernel; its
+                             # 4-bit ones are when every projection is (DecodeStack.build checks)
+                             and (stored is None or self.weight_format.int8 or int4) else None)
         if not self.weight_format.int8 and self.platform.packed_linears:
             self._pack_cpu_linears()
         if not self.architecture.native:

@@ -10,6 +10,11 @@
  * otherwise row-major, as int8 weights with float32 scales (per output channel or per group of input
  * columns) always are (dot products per row, for batches up to 4 rows). At one row the step streams
  * the weights once, which is what bounds it; at 32 rows the tiles' FMAs are.
+ * 4-bit group-quantized weights (GPTQ / AWQ / compressed-tensors as kernels/quant_linear.py holds them:
+ * nibbles [N][Ks / 2], float32 scales and zeros [N][Ks / G]) are read packed by int4_linear.c's loops
+ * (int4_tiles.h: dequantized in registers up to 12 rows, through a per-thread widened panel above; batches
+ * up to 64 rows); Ks is the input width rounded up to whole groups (a padded partial last group: the
+ * input is padded with zeros, as GroupQuantLinear pads it).
  * Attention is paged_attention.h's loop, shared with paged_decode.c.
  *
  * Numerics follow transformers' Llama: RMSNorm in float32 as x * rsqrt(mean(x^2) + eps) * w,
@@ -28,6 +33,7 @@
 /* also declares libmvec's vector expf: the SiLU and softmax loops vectorise with it, where the scalar
  * expf of every intermediate column of every layer cost ~0.4 ms per token */
 #include "paged_attention.h"
+#include "int4_tiles.h"
 
 typedef struct {
     const float *input_norm, *post_norm;      /* [H] */
@@ -35,6 +41,7 @@ typedef struct {
     const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales; /* [N][K / G] (int8 only) */
     const float *qkv_bias;                    /* [Q + 2 KV] or NULL */
     float *k_cache, *v_cache;                 /* [blocks][block_size][kv_heads][D] */
+    const float *qkv_zeros, *o_zeros, *gate_up_zeros, *down_zeros; /* [N][Ks / G] (4 bits only) */
 } layer_t;
 
 #ifdef __AVX2__
@@ -416,6 +423,42 @@ static void project(const float *x, int64_t M, int64_t K, const void *W, const f
     }
 }
 
+/* A 4-bit projection inside the parallel region: y[m] = x[m] . W[n] (+ bias) with W = (q - zeros) * scales
+ * in groups of G input columns, K the input width (x: rows of K floats), Ks = K rounded up to whole groups
+ * the stored one. Every thread first copies x for itself into xd (M * Ks floats): in the order the vector
+ * loops read (deinterleave_x), zeros past K; then the threads split the panels of NR output columns
+ * (implicit barrier at the end). ps: per-thread panel scratch for blocks of more than DOT_ROWS rows. */
+static void project_q4(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *packed, const float *S,
+                       const float *Z, const float *bias, float *y, int64_t N, float *xd, float *ps) {
+    const int64_t Ks = (K + G - 1) / G * G;
+#ifdef Q4_AVX2
+    const int vec = Ks % 32 == 0 && G % 32 == 0;
+#else
+    const int vec = 0;
+#endif
+    for (int64_t m = 0; m < M; m++) {
+        const float *src = x + m * K;
+        float *dst = xd + m * Ks;
+#ifdef Q4_AVX2
+        if (vec) {
+            const int64_t whole = K / 32 * 32;
+            if (whole) deinterleave_x(src, K, 1, whole, dst);
+            for (int64_t k = whole; k < Ks; k += 32) { /* a partial block of 32, or padding */
+                float block[32] = {0};
+                if (k < K) memcpy(block, src + k, (size_t)(K - k) * sizeof(float));
+                deinterleave_x(block, 32, 1, 32, dst + k);
+            }
+            continue;
+        }
+#endif
+        memcpy(dst, src, (size_t)K * sizeof(float));
+        memset(dst + K, 0, (size_t)(Ks - K) * sizeof(float));
+    }
+    const int64_t panels = (N + NR - 1) / NR;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) q4_panel(0, vec, xd, Ks, M, packed, S, Z, bias, N, p * NR, Ks, G, y, N, ps);
+}
+
 static void rms_norm_row(const float *x, const float *w, float eps, int64_t H, float *out) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -457,14 +500,17 @@ static void add_rows(float *x, const float *d, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] += d[i];
 }
 
-/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad position or length.
+/* kind: 0 float32 weights (panels on AVX-512 builds, else row-major), 1 int8 with scales, 2 4-bit with scales
+ * and zeros (project_q4; at most MB rows). group: values per scale, 0 = one group per row.
+ * Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad position or length, 3 for
+ * too many rows (4 bits) or an unknown kind.
  *
  * Threads: the projections' rows and the attention's (row, kv head) pairs are split over the threads;
  * everything per row that is cheap (norms, residual adds, SiLU) every thread computes for itself on
  * private copies of the hidden state, which saves a barrier each. Five barriers per layer remain
  * (after each projection and after attention): under CPU oversubscription every barrier waits for
  * the slowest thread, so fewer is better. */
-int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_t group, float *hidden, int64_t M,
+int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_t group, float *hidden, int64_t M,
                      const float *final_norm, float eps, int64_t H, int64_t I, int64_t num_heads, int64_t kv_heads,
                      int64_t D, const int64_t *positions, const float *cos_table, const float *sin_table,
                      int64_t max_positions, const int64_t *slots, const int64_t *block_tables, int64_t table_stride,
@@ -476,14 +522,28 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
             return 2;
         if (seq_lens[m] > longest) longest = seq_lens[m];
     }
+    if (kind < 0 || kind > 2 || (kind == 2 && M > MB)) return 3;
     if (num_threads < 1) num_threads = 1;
-    const size_t shared = (size_t)M * (QKV + Q + H + 2 * I);
-    const size_t private_floats = (size_t)M * (2 * H + I) + (size_t)(per_kv * (longest + D));
-    float *scratch = (float *)malloc((shared + (size_t)num_threads * private_floats) * sizeof(float));
-    if (!scratch) return 1;
-    float *qkv = scratch, *attn = qkv + M * QKV, *delta = attn + M * Q, *gate_up = delta + M * H;
+    const int int8 = kind == 1, q4 = kind == 2;
     /* group: 0 = one scale per output channel (the group is the whole input row) */
     const int64_t g_h = group ? group : H, g_q = group ? group : Q, g_i = group ? group : I;
+#define ROUND16(n) (((size_t)(n) + 15) / 16 * 16) /* floats: keeps every buffer 64-byte aligned */
+    /* 4 bits: each thread's reordered input (M rows of the widest stored input) and panel scratch */
+    size_t xd_floats = 0, ps_floats = 0;
+    if (q4) {
+        const int64_t widths[3] = {H, Q, I}, groups_of[3] = {g_h, g_q, g_i};
+        for (int i = 0; i < 3; i++) {
+            const int64_t Ks = (widths[i] + groups_of[i] - 1) / groups_of[i] * groups_of[i];
+            const size_t xs = ROUND16(M * Ks), ps = ROUND16(2 * (Ks / groups_of[i]) * NR + Ks * NR);
+            if (xs > xd_floats) xd_floats = xs;
+            if (ps > ps_floats) ps_floats = ps;
+        }
+    }
+    const size_t shared = ROUND16(M * (QKV + Q + H + 2 * I));
+    const size_t private_floats = ROUND16(M * (2 * H + I) + per_kv * (longest + D)) + xd_floats + ps_floats;
+    float *scratch = (float *)aligned_alloc(64, (shared + (size_t)num_threads * private_floats) * sizeof(float));
+    if (!scratch) return 1;
+    float *qkv = scratch, *attn = qkv + M * QKV, *delta = attn + M * Q, *gate_up = delta + M * H;
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -494,11 +554,17 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
 #endif
         float *mine = scratch + shared + (size_t)tid * private_floats;
         float *x = mine, *normed = x + M * H, *act = normed + M * H, *scores = act + M * I;
+        float *xd = mine + (private_floats - xd_floats - ps_floats), *ps = xd + xd_floats;
+        (void)xd, (void)ps;
         memcpy(x, hidden, (size_t)(M * H) * sizeof(float));
+/* projection NAME of layer L: y[M][N] = x[M][K] . W.T (+ bias), by the weights' kind */
+#define PROJECT(X, K, NAME, G, BIAS, Y, N)                                                                         \
+    if (q4) project_q4(X, M, K, G, (const uint8_t *)L->NAME, L->NAME##_scales, L->NAME##_zeros, BIAS, Y, N, xd, ps); \
+    else project(X, M, K, L->NAME, L->NAME##_scales, G, int8, BIAS, Y, N);
         for (int64_t l = 0; l < num_layers; l++) {
             const layer_t *L = &layers[l];
             for (int64_t m = 0; m < M; m++) rms_norm_row(x + m * H, L->input_norm, eps, H, normed + m * H);
-            project(normed, M, H, L->qkv, L->qkv_scales, g_h, int8, L->qkv_bias, qkv, QKV);
+            PROJECT(normed, H, qkv, g_h, L->qkv_bias, qkv, QKV);
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < M * kv_heads; task++) {
                 /* one (row, kv head): rope and cache its key/value, then its query heads attend */
@@ -525,12 +591,12 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
                            block_size, kv_heads, D, scale, scores);
                 }
             }
-            project(attn, M, Q, L->o, L->o_scales, g_q, int8, NULL, delta, H);
+            PROJECT(attn, Q, o, g_q, NULL, delta, H);
             for (int64_t m = 0; m < M; m++) {
                 add_rows(x + m * H, delta + m * H, H);
                 rms_norm_row(x + m * H, L->post_norm, eps, H, normed + m * H);
             }
-            project(normed, M, H, L->gate_up, L->gate_up_scales, g_h, int8, NULL, gate_up, 2 * I);
+            PROJECT(normed, H, gate_up, g_h, NULL, gate_up, 2 * I);
             for (int64_t m = 0; m < M; m++) {
                 const float *g = gate_up + m * 2 * I, *u = g + I;
                 float *a = act + m * I;
@@ -539,12 +605,14 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int int8, int64_
             }
             /* every thread has read gate_up before anyone overwrites delta: delta was last read
                before the gate_up projection's barrier */
-            project(act, M, I, L->down, L->down_scales, g_i, int8, NULL, delta, H);
+            PROJECT(act, I, down, g_i, NULL, delta, H);
             for (int64_t m = 0; m < M; m++) add_rows(x + m * H, delta + m * H, H);
         }
         if (tid == 0)
             for (int64_t m = 0; m < M; m++) rms_norm_row(x + m * H, final_norm, eps, H, hidden + m * H);
     }
+#undef PROJECT
+#undef ROUND16
     free(scratch);
     return 0;
 }

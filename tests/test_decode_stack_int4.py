@@ -1,0 +1,137 @@
+"""The CPU decode stack on 4-bit checkpoints (kernels/cpu_decode_stack.py, weights "int4"): GPTQ / AWQ layers
+read as their packed nibbles must give the module path's tokens and log-probabilities, at one row, a few,
+and past the register tiles (widened panels); layouts the kernel does not take leave it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from asyncllm import LLM
+from asyncllm.kernels import cpu_decode_stack
+from asyncllm.kernels.cpu_decode_stack import MAX_PANEL_ROWS, _int4_group
+from asyncllm.kernels.quant_linear import GroupQuantLinear
+from asyncllm.toy import quantized as qc
+from test_decode_stack import GREEDY, _compare, _prompts
+
+
+@pytest.fixture(scope="module")
+def source(model_dir_factory):
+    return model_dir_factory("llama")
+
+
+def _stack(llm: LLM):
+    stack = llm.engine.runner.decode_stack
+    assert stack is not None and stack.weights == "int4"  # built, on the packed weights
+    layer = llm.engine.runner.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, GroupQuantLinear)
+    return stack
+
+
+@pytest.fixture(scope="module")
+def gptq4(source, tmp_path_factory):
+    path = qc.write_gptq(source, tmp_path_factory.mktemp("gptq4") / "q", bits=4, group_size=32, sym=False)
+    llm = LLM(str(path), dtype="float32", block_size=4, max_num_seqs=MAX_PANEL_ROWS)
+    yield path, llm
+    llm.close()
+
+
+def test_gptq4_batch_1_and_several(gptq4):
+    _, llm = gptq4
+    stack = _stack(llm)
+    assert stack.group == 32 and stack.max_rows == MAX_PANEL_ROWS
+    assert _compare(llm, _prompts(1)) >= 19
+    assert _compare(llm, _prompts(5, seed=1)) >= 19
+
+
+def test_gptq4_rows_past_the_register_tiles_on_two_threads(gptq4):
+    """14 and 20 rows (more than the 12 that stream the nibbles: widened panels), split over two threads."""
+    _, llm = gptq4
+    _stack(llm)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert _compare(llm, _prompts(14, seed=2)) >= 19
+        assert _compare(llm, _prompts(20, seed=3)) >= 19
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gptq4_equals_the_engine_with_the_stack_switched_off(gptq4, monkeypatch):
+    path, llm = gptq4
+    prompts = _prompts(3, seed=4)
+    fused = llm.generate(prompts, GREEDY)
+    monkeypatch.setenv(cpu_decode_stack.ENV_SWITCH, "0")
+    with LLM(str(path), dtype="float32", block_size=4) as plain_llm:
+        assert plain_llm.engine.runner.decode_stack is None
+        plain = plain_llm.generate(prompts, GREEDY)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())) for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())) for d in b.outputs[0].logprobs]
+        assert la == pytest.approx(lb, abs=1e-4)
+
+
+def test_awq_g32(source, tmp_path):
+    with LLM(str(qc.write_awq(source, tmp_path / "q", group_size=32)), dtype="float32", block_size=4) as llm:
+        assert _stack(llm).group == 32
+        assert _compare(llm, _prompts(3, seed=5)) >= 19
+
+
+def test_gptq4_one_group_per_row(source, tmp_path):
+    path = qc.write_gptq(source, tmp_path / "q", bits=4, group_size=-1, sym=False)
+    with LLM(str(path), dtype="float32", block_size=4) as llm:
+        assert _stack(llm).group == 0
+        assert _compare(llm, _prompts(3, seed=6)) >= 19
+
+
+def test_gptq4_padded_partial_last_group(model_dir_factory, tmp_path):
+    """96-wide inputs in groups of 64: qkv, o and gate_up store 128 columns (a zero-padded half group)."""
+    source = model_dir_factory("llama", hidden_size=96, intermediate_size=192)
+    path = qc.write_gptq(source, tmp_path / "q", bits=4, group_size=64, sym=True)
+    with LLM(str(path), dtype="float32", block_size=4, max_num_seqs=32) as llm:
+        stack = _stack(llm)
+        qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+        assert stack.group == 64 and qkv.stored_features == 128 and qkv.in_features == 96
+        assert _compare(llm, _prompts(2, seed=7)) >= 19
+        assert _compare(llm, _prompts(16, seed=8)) >= 19
+
+
+@pytest.mark.parametrize("options", [dict(bits=4, group_size=32, sym=True, desc_act=True),
+                                     dict(bits=8, group_size=-1, sym=False)], ids=["actorder", "8-bit-zero-points"])
+def test_stack_off_for_layouts_it_does_not_read(source, tmp_path, options):
+    with LLM(str(qc.write_gptq(source, tmp_path / "q", **options)), dtype="float32") as llm:
+        assert llm.engine.runner.decode_stack is None
+
+
+def test_mixed_or_uneven_layers_are_refused():
+    def layer(k=64, n=32, group=32, bits=4):
+        width = k // 2 if bits == 4 else k
+        return GroupQuantLinear(torch.zeros(n, width, dtype=torch.uint8), torch.ones(n, k // group),
+                                torch.zeros(n, k // group), bits)
+
+    assert _int4_group([("qkv", layer()), ("down", layer(k=128))]) == 32
+    assert _int4_group([("qkv", layer(group=64)), ("down", layer(k=128, group=128))]) == 0  # a group per row
+    for modules in ([("qkv", layer()), ("down", nn.Linear(64, 32))],
+                    [("qkv", layer()), ("down", layer(k=128, group=64))],
+                    [("qkv", layer(bits=8))]):
+        with pytest.raises(TypeError):
+            _int4_group(modules)
+
+
+def test_int4_stack_built_without_avx512(gptq4, tmp_path, monkeypatch):
+    """The AVX2 build of the kernel (no nibble tables: masked, converted, dequantized) gives the same tokens."""
+    from asyncllm.kernels.cpu_build import _FLAGS, BuildError, build_variant
+
+    path, _ = gptq4
+    try:
+        lib = build_variant("decode_stack", [*_FLAGS, "-mno-avx512f"], tmp_path / "decode_stack_avx2.so",
+                            cpu_decode_stack._SIGNATURES)
+    except BuildError as e:
+        pytest.skip(str(e))
+    monkeypatch.setattr(cpu_decode_stack, "_library", lambda: lib)
+    with LLM(str(path), dtype="float32", block_size=4, max_num_seqs=16) as llm:
+        assert _stack(llm).max_rows == MAX_PANEL_ROWS
+        assert _compare(llm, _prompts(1)) >= 19
+        assert _compare(llm, _prompts(14, seed=9)) >= 19

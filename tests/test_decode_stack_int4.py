@@ -87,13 +87,15 @@ def test_gptq4_one_group_per_row(source, tmp_path):
 
 
 def test_gptq4_padded_partial_last_group(model_dir_factory, tmp_path):
-    """96-wide inputs in groups of 64: qkv, o and gate_up store 128 columns (a zero-padded half group)."""
-    source = model_dir_factory("llama", hidden_size=96, intermediate_size=192)
+    """80-wide inputs in groups of 64 (qkv, o and gate_up store 128 columns, down 192 for 176: zero-padded
+    partial groups, and inputs not a multiple of 32); o and down have 80 outputs (half a 32-column panel left)."""
+    source = model_dir_factory("llama", hidden_size=80, intermediate_size=176)
     path = qc.write_gptq(source, tmp_path / "q", bits=4, group_size=64, sym=True)
     with LLM(str(path), dtype="float32", block_size=4, max_num_seqs=32) as llm:
         stack = _stack(llm)
-        qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-        assert stack.group == 64 and qkv.stored_features == 128 and qkv.in_features == 96
+        layer = llm.engine.runner.model.model.layers[0]
+        assert stack.group == 64 and layer.self_attn.qkv_proj.stored_features == 128
+        assert layer.mlp.down_proj.out_features == 80 and layer.mlp.down_proj.stored_features == 192
         assert _compare(llm, _prompts(2, seed=7)) >= 19
         assert _compare(llm, _prompts(16, seed=8)) >= 19
 

@@ -454,6 +454,33 @@ static void project_q4(const float *x, int64_t M, int64_t K, int64_t G, const ui
         memcpy(dst, src, (size_t)K * sizeof(float));
         memset(dst + K, 0, (size_t)(Ks - K) * sizeof(float));
     }
+#ifdef __AVX512F__
+    if (vec && M > DOT_ROWS) {
+        /* many rows: two of the kernel's widened 16-column panels side by side make one of PANEL (32) columns,
+           which the float32 panels' register tiles (2R accumulators per R rows) run over; the same products
+           summed in the same order as the kernel's 16-column tiles */
+        const int64_t groups = Ks / G, wide = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+        float *wf = ps + 4 * groups * NR;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < wide; p++) {
+            const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+            for (int h = 0; h < 2; h++) { /* columns past N: scales and zeros 0, so they widen to 0 */
+                float *hs = ps + 2 * h * groups * NR, *hz = hs + groups * NR;
+                panel_params(S, Z, n0 + h * NR, N, groups, hs, hz);
+                widen_panel4_strided(packed, N, n0 + h * NR, hs, hz, Ks, G, wf + h * NR, PANEL);
+            }
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
+                float out[PANEL_ROWS * PANEL];
+                panel_tiles[m1 - m0](xd + m0 * Ks, Ks, wf, out, wf, t, tiles);
+                for (int64_t m = m0; m < m1; m++)
+                    for (int64_t j = 0; j < cols; j++)
+                        y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
+            }
+        }
+        return;
+    }
+#endif
     const int64_t panels = (N + NR - 1) / NR;
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) q4_panel(0, vec, xd, Ks, M, packed, S, Z, bias, N, p * NR, Ks, G, y, N, ps);
@@ -534,7 +561,7 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
         const int64_t widths[3] = {H, Q, I}, groups_of[3] = {g_h, g_q, g_i};
         for (int i = 0; i < 3; i++) {
             const int64_t Ks = (widths[i] + groups_of[i] - 1) / groups_of[i] * groups_of[i];
-            const size_t xs = ROUND16(M * Ks), ps = ROUND16(2 * (Ks / groups_of[i]) * NR + Ks * NR);
+            const size_t xs = ROUND16(M * Ks), ps = ROUND16(4 * (Ks / groups_of[i]) * NR + Ks * 2 * NR);
             if (xs > xd_floats) xd_floats = xs;
             if (ps > ps_floats) ps_floats = ps;
         }

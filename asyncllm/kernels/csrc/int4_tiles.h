@@ -326,21 +326,22 @@ static inline void transpose16x16(const __m128i a[16], __m128i t[16]) {
 }
 
 /* Panel rows from t (see transpose16x16) with the group's scales s and zeros z of the 16 weight rows:
- * 4 bits: byte c holds columns 2c and 2c + 1, panel rows lo + c and hi + c; 8 bits: column c, row lo + c. */
+ * 4 bits: byte c holds columns 2c and 2c + 1, panel rows lo + c and hi + c; 8 bits: column c, row lo + c. Rows of ws floats. */
 static inline __attribute__((always_inline)) void widen_block(const int B8, const __m128i t[16], const float *s,
-                                                              const float *z, float *lo, float *hi) {
+                                                              const float *z, float *lo, float *hi,
+                                                              const int64_t ws) {
 #ifdef Q4_AVX512
     const __m512 sv = _mm512_loadu_ps(s), zv = _mm512_loadu_ps(z);
     const __m512i mask = _mm512_set1_epi32(15);
     for (int c = 0; c < 16; c++) {
         const __m512i b = _mm512_cvtepu8_epi32(t[c]);
         if (B8) {
-            _mm512_storeu_ps(lo + c * NR, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(b), zv), sv));
+            _mm512_storeu_ps(lo + c * ws, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(b), zv), sv));
         } else {
             const __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(b, mask));
             const __m512 qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-            _mm512_storeu_ps(lo + c * NR, _mm512_mul_ps(_mm512_sub_ps(ql, zv), sv));
-            _mm512_storeu_ps(hi + c * NR, _mm512_mul_ps(_mm512_sub_ps(qh, zv), sv));
+            _mm512_storeu_ps(lo + c * ws, _mm512_mul_ps(_mm512_sub_ps(ql, zv), sv));
+            _mm512_storeu_ps(hi + c * ws, _mm512_mul_ps(_mm512_sub_ps(qh, zv), sv));
         }
     }
 #else
@@ -350,12 +351,12 @@ static inline __attribute__((always_inline)) void widen_block(const int B8, cons
         for (int c = 0; c < 16; c++) {
             const __m256i b = _mm256_cvtepu8_epi32(h ? _mm_unpackhi_epi64(t[c], t[c]) : t[c]);
             if (B8) {
-                _mm256_storeu_ps(lo + c * NR + 8 * h, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(b), zv), sv));
+                _mm256_storeu_ps(lo + c * ws + 8 * h, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(b), zv), sv));
             } else {
                 const __m256 ql = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
                 const __m256 qh = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-                _mm256_storeu_ps(lo + c * NR + 8 * h, _mm256_mul_ps(_mm256_sub_ps(ql, zv), sv));
-                _mm256_storeu_ps(hi + c * NR + 8 * h, _mm256_mul_ps(_mm256_sub_ps(qh, zv), sv));
+                _mm256_storeu_ps(lo + c * ws + 8 * h, _mm256_mul_ps(_mm256_sub_ps(ql, zv), sv));
+                _mm256_storeu_ps(hi + c * ws + 8 * h, _mm256_mul_ps(_mm256_sub_ps(qh, zv), sv));
             }
         }
     }
@@ -364,7 +365,7 @@ static inline __attribute__((always_inline)) void widen_block(const int B8, cons
 
 static inline __attribute__((always_inline)) void widen_panel_bits(
         const int B8, const uint8_t *packed, int64_t N, int64_t n0, const float *ps, const float *pz, int64_t K,
-        int64_t G, float *wf) {
+        int64_t G, float *wf, const int64_t ws) {
     const int64_t KB = B8 ? K : K / 2, step_bytes = B8 ? 32 : 16; /* per row, 32 columns */
     const uint8_t *r[NR];
     for (int i = 0; i < NR; i++) r[i] = packed + (n0 + i < N ? n0 + i : N - 1) * KB;
@@ -377,16 +378,23 @@ static inline __attribute__((always_inline)) void widen_panel_bits(
         for (int h = 0; h < (B8 ? 2 : 1); h++) { /* 8 bits: columns k + 16h .. k + 16h + 15 */
             for (int i = 0; i < 16; i++) a[i] = _mm_loadu_si128((const __m128i *)(r[i] + (B8 ? k + 16 * h : k / 2)));
             transpose16x16(a, t);
-            if (B8) widen_block(1, t, ps + g * NR, pz + g * NR, wf + (k + 16 * h) * NR, NULL);
-            else widen_block(0, t, ps + g * NR, pz + g * NR, wf + k * NR, wf + (k + 16) * NR);
+            if (B8) widen_block(1, t, ps + g * NR, pz + g * NR, wf + (k + 16 * h) * ws, NULL, ws);
+            else widen_block(0, t, ps + g * NR, pz + g * NR, wf + k * ws, wf + (k + 16) * ws, ws);
         }
     }
 }
 
 __attribute__((noinline)) static void widen_panel(int B8, const uint8_t *packed, int64_t N, int64_t n0,
                                                   const float *ps, const float *pz, int64_t K, int64_t G, float *wf) {
-    if (B8) widen_panel_bits(1, packed, N, n0, ps, pz, K, G, wf);
-    else widen_panel_bits(0, packed, N, n0, ps, pz, K, G, wf);
+    if (B8) widen_panel_bits(1, packed, N, n0, ps, pz, K, G, wf, NR);
+    else widen_panel_bits(0, packed, N, n0, ps, pz, K, G, wf, NR);
+}
+
+/* The same for 4 bits into rows of ws floats (the decode stack's 32-column panels: two of these side by side). */
+__attribute__((noinline, unused)) static void widen_panel4_strided(const uint8_t *packed, int64_t N, int64_t n0,
+                                                                   const float *ps, const float *pz, int64_t K,
+                                                                   int64_t G, float *wf, int64_t ws) {
+    widen_panel_bits(0, packed, N, n0, ps, pz, K, G, wf, ws);
 }
 
 /* ---- the float micro-kernels of int8_linear.c ------------------------------------------------------- */

@@ -14,14 +14,13 @@ a fixed set of texts:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks import w_real
-from benchmarks.measure import portable, utc_now
+from benchmarks.measure import utc_now, write_report
 
 TEXTS = [
     "The old lighthouse keeper climbed the spiral stairs every evening, lit the lamp, and watched the ships "
@@ -114,9 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         print(f"{name:22} {r['mean_loglik']:11.4f} {r['mean_loglik_diff']:8.4f} {r['mean_abs_token_loglik_diff']:10.4f}"
               f" {r['greedy_agreement']:11.3f} {r['mean_first_difference']:10.1f}")
-    if args.json:
-        args.json.write_text(json.dumps(portable({"benchmark": "quant_accuracy", "started": utc_now(),
-                                                  "argv": sys.argv[1:], "texts": TEXTS, "results": rows}), indent=2))
+    write_report(args.json, {"benchmark": "quant_accuracy", "started": utc_now(), "argv": sys.argv[1:], "texts": TEXTS,
+                             "results": rows})
     return 0
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks import w_real
 from benchmarks.common import machine_info
-from benchmarks.measure import portable, utc_now
+from benchmarks.measure import utc_now, write_report
 
 GPTQ, AWQ = "asyncllm-gptq4", "asyncllm-awq4"
 Q4_0, Q4_K_M = "llamacpp-q4_0", "llamacpp-q4_k_m"
@@ -92,14 +92,25 @@ def checkpoint_bytes(model_dir: Path) -> int:
 
 
 def model_bytes(llm) -> int:
-    """Bytes the loaded model holds in parameters and buffers (shared tensors counted once)."""
+    """Bytes the loaded model holds: its parameters, buffers and the tensors its modules keep as plain attributes
+    (oneDNN-packed weights, the LM head's panels), each storage counted once."""
+    import torch
+
     seen, total = set(), 0
-    model = llm.engine.runner.model
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+    for module in llm.engine.runner.model.modules():
+        held = [*module._parameters.values(), *module._buffers.values(),
+                *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+        for t in held:
+            if t is None:
+                continue
+            try:
+                key = t.untyped_storage().data_ptr()
+                size = t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # opaque (mkldnn) tensors
+                key, size = id(t), t.numel() * t.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += size
     return total
 
 
@@ -170,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                 if mine and theirs:
                     comparisons[f"{engine}/{peer}@{b}"] = round(mine["tokens_per_s"] / theirs["tokens_per_s"], 3)
     report = {"benchmark": "w_int4", "started": started, "machine": machine_info(), "argv": sys.argv[1:],
-              "settings": {k: v for k, v in vars(args).items() if k not in ("json",)}, "results": results,
+              "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
+              "results": results,
               "comparisons": comparisons, "targets": TARGETS}
     print_table(results, args.batches, comparisons)
-    if args.json:
-        args.json.write_text(json.dumps(portable(report), indent=2, default=str))
+    write_report(args.json, report)
     return 0
 
 

@@ -362,3 +362,25 @@ def test_w_hostile_tiny_run(llama_dir, tmp_path):
         assert result["next_request_status"] == 200 and result["blocks_held_after"] == 0
         assert result["ticker_worst_gap_ms"] >= 0 and result["other_streams_itl_ms"]["count"] > 0
     assert json.loads(out.read_text())["workload"] == "W-HOSTILE"
+
+
+def test_w_int4_counts_checkpoint_and_model_bytes(model_dir_factory, tmp_path, capsys):
+    """W-INT4's memory figures: a checkpoint's tensor bytes, and what the loaded model holds (4-bit: less)."""
+    from asyncllm import LLM
+    from asyncllm.toy import quantized
+    from benchmarks import w_int4
+
+    source = model_dir_factory("llama")
+    model = quantized.write_gptq(source, tmp_path / "q", bits=4, group_size=32, sym=True)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(model / "model.safetensors"))
+    assert w_int4.checkpoint_bytes(model) == sum(t.numel() * t.element_size() for t in tensors.values())
+    with LLM(str(model), dtype="float32") as llm:
+        held = w_int4.model_bytes(llm)
+    with LLM(str(source), dtype="float32") as llm:
+        assert held < w_int4.model_bytes(llm)  # the projections' 4 bits against float32's 32
+    w_int4.print_table({"asyncllm-gptq4": {"status": "ok", "batches": {"1": {"tokens_per_s": 10.0}},
+                                           "model_bytes": held, "checkpoint_bytes": 1 << 20, "memory_ratio": 1.0}},
+                       [1], {"asyncllm-gptq4/llamacpp-q4_0@1": 0.5})
+    assert "asyncllm-gptq4/llamacpp-q4_0@1: 0.50x" in capsys.readouterr().out

@@ -52,3 +52,28 @@ class PanelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, panels=32"
+
+
+class PanelEmbedding(nn.Module):
+    """The token embedding read from a tied LM head's panels: row ``t`` of the table is column ``t % 32`` of
+    panel ``t // 32``. A tied model then holds its largest tensor once (SmolLM2: 108 MiB) instead of as the
+    embedding table and again as the head's panels; the values are the table's, exactly."""
+
+    def __init__(self, head: PanelLinear) -> None:
+        super().__init__()
+        self.head = [head]  # a list: the head stays the model's module, not a child of this one too
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense table, rebuilt on demand (for inspection; the forward never uses it)."""
+        return self.head[0].weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        panels = self.head[0].panels
+        flat = input_ids.reshape(-1)
+        rows = panels[flat // 32, :, flat % 32]
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, from the LM head's panels"

@@ -20,7 +20,7 @@ from ..errors import ConfigError, ModelLoadError
 from ..kernels.cpu_attention import CpuAttentionBackend
 from ..kernels.cpu_decode_stack import MAX_CHAINED_ROWS, DecodeStack
 from ..kernels.cpu_linear import pack_linear_layers
-from ..kernels.cpu_panel_linear import PanelLinear
+from ..kernels.cpu_panel_linear import PanelEmbedding, PanelLinear
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import cpu_ops, triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
@@ -218,6 +218,8 @@ class ModelRunner:
         panel_head = PanelLinear.build(head)
         if panel_head is not None:
             self.model.lm_head = panel_head  # not an nn.Linear: packing leaves it alone
+            if tied and not self.tp.enabled:  # the table is read from the head's panels: held once, not twice
+                self.model.model.embed_tokens = PanelEmbedding(panel_head)
         pack_linear_layers(self.model, extra={"lm_head": head} if tied and panel_head is None else None)
 
     @property

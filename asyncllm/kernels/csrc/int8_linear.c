@@ -184,47 +184,7 @@ __attribute__((noinline)) static void dot_rows(int rows, const float *x, int64_t
 }
 
 /* ---- widened panel: 6x16 float micro-kernel -------------------------------------------------------- */
-#define ACC_ROW(m) __m256 a##m##_0 = _mm256_setzero_ps(), a##m##_1 = _mm256_setzero_ps();
-#define ROW_FMA(m, kk)                                                        \
-    if (R > m) {                                                              \
-        const __m256 xv = _mm256_broadcast_ss(x + m * xs + (kk));             \
-        a##m##_0 = _mm256_fmadd_ps(xv, w0, a##m##_0);                         \
-        a##m##_1 = _mm256_fmadd_ps(xv, w1, a##m##_1);                         \
-    }
-#define FLOAT_STEP(kk)                                                        \
-    {                                                                         \
-        __m256 w0 = _mm256_loadu_ps(wf + (kk) * NR), w1 = _mm256_loadu_ps(wf + (kk) * NR + 8); \
-        __asm__("" : "+x"(w0), "+x"(w1)); /* load once, not as an operand of every FMA */ \
-        ROW_FMA(0, kk) ROW_FMA(1, kk) ROW_FMA(2, kk) ROW_FMA(3, kk) ROW_FMA(4, kk) ROW_FMA(5, kk) \
-    }
-#define STORE_ROW(m)                                                          \
-    if (R > m) {                                                              \
-        _mm256_storeu_ps(out + m * NR, a##m##_0);                             \
-        _mm256_storeu_ps(out + m * NR + 8, a##m##_1);                         \
-    }
-
-/* out[m][0..15] = sum_k x[m][k] * wf[k][0..15] for R (<= MR, a literal constant) rows */
-static inline __attribute__((always_inline)) void tile_float(
-        const int R, const float *x, int64_t xs, const float *wf, int64_t K, float *out) {
-    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
-    int64_t k = 0;
-    for (; k + 2 <= K; k += 2) {
-        FLOAT_STEP(k) FLOAT_STEP(k + 1)
-    }
-    for (; k < K; k++) FLOAT_STEP(k)
-    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
-}
-
-#define FLOAT_TILE(r) case r: tile_float(r, x, xs, wf, K, out); break;
-
-/* (unused where the AVX-512 kernel replaces it) */
-__attribute__((noinline, unused)) static void tile_from_float(int rows, const float *x, int64_t xs, const float *wf,
-                                                              int64_t K, float *out) {
-    switch (rows) {
-        FLOAT_TILE(1) FLOAT_TILE(2) FLOAT_TILE(3) FLOAT_TILE(4) FLOAT_TILE(5) FLOAT_TILE(6)
-        default: break;
-    }
-}
+#include "float_tiles_avx2.h"
 
 /* wf[k][j] = q[n0 + j][k] * scale, 8 columns x 8 weight rows at a time: the 8x8 bytes transposed with
  * three rounds of unpacks, then widened and scaled 8 weight rows per vector. Needs K, G % 8 == 0.
@@ -268,34 +228,7 @@ __attribute__((noinline)) static void widen_panel(const int8_t *q, int64_t N, in
  * A panel row (16 columns) is one zmm vector, so a tile of up to 12 rows keeps 12 accumulators (enough
  * to cover the FMA latency on two pipes) and per input column does one weight load and 12 FMAs with a
  * broadcast x value: twice the arithmetic per instruction of the 6x16 AVX2 kernel. */
-#define ACC512(m) __m512 c##m = _mm512_setzero_ps();
-#define FMA512(m)                                                             \
-    if (R > m) c##m = _mm512_fmadd_ps(_mm512_set1_ps(x[m * xs + k]), w, c##m);
-#define STORE512(m) if (R > m) _mm512_storeu_ps(out + m * NR, c##m);
-
-static inline __attribute__((always_inline)) void tile_float512(
-        const int R, const float *x, int64_t xs, const float *wf, int64_t K, float *out) {
-    ACC512(0) ACC512(1) ACC512(2) ACC512(3) ACC512(4) ACC512(5)
-    ACC512(6) ACC512(7) ACC512(8) ACC512(9) ACC512(10) ACC512(11)
-    for (int64_t k = 0; k < K; k++) {
-        const __m512 w = _mm512_loadu_ps(wf + k * NR);
-        FMA512(0) FMA512(1) FMA512(2) FMA512(3) FMA512(4) FMA512(5)
-        FMA512(6) FMA512(7) FMA512(8) FMA512(9) FMA512(10) FMA512(11)
-    }
-    STORE512(0) STORE512(1) STORE512(2) STORE512(3) STORE512(4) STORE512(5)
-    STORE512(6) STORE512(7) STORE512(8) STORE512(9) STORE512(10) STORE512(11)
-}
-
-#define FLOAT_TILE512(r) case r: tile_float512(r, x, xs, wf, K, out); break;
-
-__attribute__((noinline)) static void tile_from_float512(int rows, const float *x, int64_t xs, const float *wf,
-                                                         int64_t K, float *out) {
-    switch (rows) {
-        FLOAT_TILE512(1) FLOAT_TILE512(2) FLOAT_TILE512(3) FLOAT_TILE512(4) FLOAT_TILE512(5) FLOAT_TILE512(6)
-        FLOAT_TILE512(7) FLOAT_TILE512(8) FLOAT_TILE512(9) FLOAT_TILE512(10) FLOAT_TILE512(11) FLOAT_TILE512(12)
-        default: break;
-    }
-}
+#include "float_tiles_avx512.h"
 #endif /* INT8_LINEAR_AVX512 */
 
 /* y[m][n] = sum_k x[m][k] * q[n][k] * scales[n][k / G] (+ bias[n]) for m < M, n < N.

@@ -106,29 +106,28 @@ async def _drain(stream) -> None:
         pass
 
 
+def _over_http(url: str, app):
+    """``app(client)`` with an AsyncLLMClient on the served engine, in a loop of its own."""
+    async def main():
+        async with _client(url) as client:
+            return await app(client)
+
+    return asyncio.run(main())
+
+
 def test_one_application_same_outputs_in_process_and_served(served):
     llm, url = served
     in_process = asyncio.run(application(llm))
-
-    async def over_http():
-        async with _client(url) as client:
-            return await application(client)
-
     assert in_process["generate"]["outputs"][0]["token_ids"]  # (something was generated to compare)
     assert in_process["stream_joined_is_generate"]
     assert in_process["tools"]["outputs"][0]["tool_calls"][0][0] == "get_weather"
-    assert asyncio.run(over_http()) == in_process
+    assert _over_http(url, application) == in_process
 
 
 def test_same_exception_classes_for_the_same_bad_inputs(served):
     llm, url = served
     in_process = asyncio.run(bad_inputs(llm))
-
-    async def over_http():
-        async with _client(url) as client:
-            return await bad_inputs(client)
-
-    served_found = asyncio.run(over_http())
+    served_found = _over_http(url, bad_inputs)
     assert served_found == in_process  # the same class, naming the same field
     expected = {"temperature": InvalidRequestError, "unknown kwarg": InvalidRequestError,
                 "too long": InvalidRequestError, "max_tokens past the context": InvalidRequestError,

@@ -130,3 +130,28 @@ def test_a_partial_last_group_as_gptq_writes_it(model_dir_factory, tmp_path, des
         o_proj = llm.engine.runner.model.model.layers[0].self_attn.o_proj
         assert o_proj.in_features == 96 and o_proj.stored_features == (96 if desc_act else 128)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_a_float_checkpoint_runs_as_fp8_with_quantization_fp8(source, tmp_path):
+    """``quantization="fp8"`` on float weights: each projection row scaled to e4m3's range at load (as vLLM does);
+    greedy output equals transformers on the weights rounded the same way."""
+    from safetensors.torch import load_file, save_file
+
+    import shutil
+
+    from asyncllm.model.quant_methods import quantize_fp8_rows
+
+    twin = tmp_path / "twin"
+    shutil.copytree(source, twin)
+    tensors = load_file(str(source / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            fp8, scale = quantize_fp8_rows(tensor, name)
+            tensors[name] = (fp8.float() * scale).contiguous()
+    save_file(tensors, str(twin / "model.safetensors"))
+    expected = reference_greedy(twin, PROMPTS, NEW_TOKENS)
+    with LLM(str(source), dtype="float32", block_size=4, quantization="fp8") as llm:
+        assert {type(m) for m in _projections(llm)} == {Fp8Linear}
+        assert all(m.weight.dtype == torch.float8_e4m3fn for m in _projections(llm))
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert expected != reference_greedy(source, PROMPTS, NEW_TOKENS)  # the rounding shows in the output

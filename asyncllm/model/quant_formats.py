@@ -52,6 +52,7 @@ class QuantizedFormat:
     layout: str = ""              # the tensors' layout: "gptq", "awq", "ct-packed", "ct-int8", "fp8"
     block: tuple[int, int] | None = None
     scale_name: str = "weight_scale"  # fp8: "weight_scale_inv" for the block format
+    dynamic: bool = False         # a float checkpoint quantized at load (quantization="fp8")
     ignore: tuple[str, ...] = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -110,7 +111,7 @@ def check_requested(quantization: str | None, fmt: QuantizedFormat | None) -> No
     if quantization is None:
         return
     if fmt is None:
-        if quantization in ALIASES:
+        if quantization in ALIASES and quantization != "fp8":  # ("fp8" on float weights: quantized at load)
             raise ConfigError(f"quantization={quantization!r}: this checkpoint is not quantized (its config.json has "
                               "no quantization_config); use None, 'int8' or 'none'")
         return
@@ -120,6 +121,14 @@ def check_requested(quantization: str | None, fmt: QuantizedFormat | None) -> No
     if ALIASES.get(quantization) != fmt.method:
         raise ConfigError(f"quantization={quantization!r} disagrees with the checkpoint, which is quantized as "
                           f"{fmt.describe()}")
+
+
+def requested_format(quantization: str | None, stored: QuantizedFormat | None) -> QuantizedFormat | None:
+    """The format the projections load in: the checkpoint's, or FP8 with one scale per row for a float
+    checkpoint run with ``quantization="fp8"`` (quantized row by row as the weights arrive)."""
+    if stored is None and quantization == "fp8":
+        return QuantizedFormat("fp8", "fp8", 8, layout="fp8", dynamic=True)
+    return stored
 
 
 # ---- one parser per method --------------------------------------------------------------------------

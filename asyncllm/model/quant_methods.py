@@ -45,6 +45,19 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(words.shape[0], words.shape[1] * per_word)
 
 
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+
+
+def quantize_fp8_rows(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float ``[N, K]`` weight as float8_e4m3fn with one float32 scale per row (absmax / 448)."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ModelLoadError(f"tensor {name!r}: expected a 2-D float weight to quantize to FP8, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+    w = weight.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale).to(torch.float8_e4m3fn), scale
+
+
 class CheckpointWeights:
     """A LinearMethod (model/layers.py) for a projection of a quantized checkpoint.
 
@@ -231,6 +244,8 @@ class CheckpointWeights:
         return {}
 
     def _fp8(self, kind: str, tensor: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        if kind == "weight" and self.fmt.dynamic:  # a float checkpoint run as FP8: each row scaled to e4m3's range
+            return dict(zip(("weight", "scale"), quantize_fp8_rows(tensor, name)))
         if kind == "weight":
             if tensor.dtype != torch.float8_e4m3fn or tensor.dim() != 2:
                 raise ModelLoadError(f"tensor {name!r}: expected a 2-D float8_e4m3fn weight, got {tensor.dtype} "
@@ -258,7 +273,7 @@ class CheckpointWeights:
                   "awq": {"qweight", "scales"} | (set() if sym else {"qzeros"}),
                   "ct-packed": {"weight_packed", "weight_scale"} | (set() if sym else {"weight_zero_point"}),
                   "ct-int8": {"weight", "weight_scale"},
-                  "fp8": {"weight", self.fmt.scale_name}}[self.fmt.layout]
+                  "fp8": {"weight"} if self.fmt.dynamic else {"weight", self.fmt.scale_name}}[self.fmt.layout]
         if self.fmt.desc_act and self.fmt.layout == "gptq":
             needed = needed | {"g_idx"}
         for part, kinds in self.filled.items():

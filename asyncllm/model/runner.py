@@ -30,7 +30,7 @@ from ..platform import Platform, decide_platform
 from .loader import load_weights
 from ..kernels.quant_linear import Fp8Linear, GroupQuantLinear
 from .layers import finish_layers, use_checkpoint_quantization, use_int8
-from .quant_formats import check_requested, checkpoint_format
+from .quant_formats import check_requested, checkpoint_format, requested_format
 from .quantization import WeightFormat, decide_weight_format, int8_tied_head
 from .source import ModelSource, gguf_linear_types
 from .step_io import StepInput, StepOutput
@@ -127,6 +127,7 @@ class ModelRunner:
         self.model = model.to_empty(device=self.device).eval()
         stored = None if source.is_gguf else checkpoint_format(source.root)  # GPTQ, AWQ, FP8...
         check_requested(config.quantization, stored)
+        stored = requested_format(config.quantization, stored)
         if stored is not None:
             self._load_quantized(source, stored)
             return
@@ -172,9 +173,9 @@ class ModelRunner:
         name = self.architecture.name
         if source.is_gguf:
             raise ModelLoadError(f"{name}: GGUF files load for the native families only (docs/models.md)")
-        if config.quantization == "int8":
-            raise ConfigError(f"quantization='int8': {name} runs through transformers' modules, which take float "
-                              "weights only")
+        if config.quantization not in (None, "none"):
+            raise ConfigError(f"quantization={config.quantization!r}: {name} runs through transformers' modules, which "
+                              "take float weights only")
         self.backend = build_attention_backend(self.platform, self.local_shape)
         self.model = TransformersModel.load(hf_config, source.root, self.shape, self.backend, self.dtype, self.device)
         self.shape = self.local_shape = verify(self.model, self.block_size, max_model_len)

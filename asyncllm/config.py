@@ -37,6 +37,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
     tensor_parallel_size: int = 1      # ranks splitting the model (distributed/, docs/scaling.md)
+    enable_expert_parallel: bool = False  # mixture-of-experts layers: whole experts per rank (docs/moe.md)
     nnodes: int = 1                    # machines those ranks span (MASTER_ADDR/MASTER_PORT rendezvous)
     node_rank: int = 0                 # this machine's place among them; 0 runs the engine
     attention_backend: str = "auto"
@@ -87,6 +88,8 @@ class EngineConfig:
             raise ConfigError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if not isinstance(self.skip_tokenizer_init, bool):
             raise ConfigError(f"skip_tokenizer_init must be True or False, got {self.skip_tokenizer_init!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ConfigError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if not isinstance(self.enable_cuda_graphs, bool):
             raise ConfigError(f"enable_cuda_graphs must be True or False, got {self.enable_cuda_graphs!r}")
         from .engine.speculation import SpeculativeConfig  # (the engine package imports this module)

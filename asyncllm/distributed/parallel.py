@@ -31,6 +31,7 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False  # mixture-of-experts layers: whole experts per rank instead of column shares
 
     @property
     def enabled(self) -> bool:
@@ -100,11 +101,19 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def check_tensor_parallel(shape: DecoderShape, size: int) -> None:
+def check_tensor_parallel(shape: DecoderShape, size: int, expert_parallel: bool = False) -> None:
     """ConfigError naming ``tensor_parallel_size`` when the model cannot be split ``size`` ways."""
     if size == 1:
         return
     problems = []
+    moe = shape.moe
+    if moe is not None:
+        if expert_parallel and moe.num_experts % size:
+            problems.append(f"{moe.num_experts} experts (enable_expert_parallel needs a multiple of the size)")
+        if not expert_parallel and moe.intermediate_size % size:
+            problems.append(f"an expert intermediate size of {moe.intermediate_size}")
+        if moe.shared_intermediate_size % size:
+            problems.append(f"a shared-expert intermediate size of {moe.shared_intermediate_size}")
     if shape.num_heads % size:
         problems.append(f"{shape.num_heads} attention heads")
     if shape.intermediate_size % size:

@@ -135,7 +135,7 @@ class WorkerGroup:
             raise ConfigError("tensor_parallel_size > 1: one tensor-parallel engine per process at a time "
                               "(close the other engine first)")
         self.size = config.tensor_parallel_size
-        self.tp = TensorParallel(0, self.size)
+        self.tp = TensorParallel(0, self.size, config.enable_expert_parallel)
         self._lock = threading.Lock()  # one broadcast (and the step's collectives) at a time
         self._sent_adapters: dict[int, Any] = {}
         self._last_message = time.monotonic()
@@ -322,7 +322,7 @@ def run_worker(rank: int, size: int, local_rank: int, init_method: str, backend:
         config = dataclasses.replace(config, device=f"cuda:{local_rank}")
     source = resolve_model_source(config.model, config.revision, config.hf_token)
     runner = ModelRunner(config, hf_config, source, max_model_len,
-                         tp=TensorParallel(rank, config.tensor_parallel_size),
+                         tp=TensorParallel(rank, config.tensor_parallel_size, config.enable_expert_parallel),
                          agree_num_blocks=lambda _own_count: receive_value())  # rank 0 decides
     adapters: dict[int, Any] = {}
     while True:

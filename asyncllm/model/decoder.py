@@ -191,7 +191,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layout, self.residual_scale = shape.layout, shape.residual_scale
         self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp, full)
-        self.mlp = MLP(shape, layer_index, lora, tp, full)
+        if shape.is_moe(layer_index):
+            from .moe import SparseMoE
+
+            self.mlp = SparseMoE(shape, layer_index, tp, full)
+        else:
+            self.mlp = MLP(shape, layer_index, lora, tp, full)
         size = shape.hidden_size
         if shape.layout != "post":
             self.input_layernorm = make_norm(shape, size)

@@ -105,7 +105,9 @@ def load_weights(model, source: ModelSource | Path, arch: Architecture, keep_q8_
     filled: set[str] = set()
     for name, tensor in checkpoint_tensors(model, source, keep_q8_0, shape):
         piece = _load_tensor(model, modules, name, tensor, arch.fused, source.is_gguf)
-        if piece:
+        if isinstance(piece, set):
+            filled |= piece
+        elif piece:
             filled.add(piece)
     missing = sorted(_expected_pieces(model, arch.fused) - filled)
     if missing:
@@ -114,20 +116,40 @@ def load_weights(model, source: ModelSource | Path, arch: Architecture, keep_q8_
 
 
 def _renamed(name: str, renames: dict[str, str]) -> str:
-    """``name`` with each dotted segment the family renames replaced (one pass: renames do not chain)."""
+    """``name`` with each dotted segment the family renames replaced (one pass: renames do not chain).
+    A key with dots (``"router.layer"``) replaces that run of whole segments first."""
     if not renames:
         return name
+    for key, value in renames.items():
+        if "." in key and f".{key}." in f".{name}.":
+            name = f".{name}.".replace(f".{key}.", f".{value}.", 1)[1:-1]
     return ".".join(renames.get(part, part) for part in name.split("."))
 
 
-def _load_tensor(model, modules: dict, name: str, tensor, fused_map: dict, from_gguf: bool) -> str | None:
-    """Load one checkpoint tensor; the piece it filled (``module.kind:part``), or None if it is not used."""
+def _claiming_module(modules: dict, name: str):
+    """(path, module) of the nearest module above ``name`` that loads the tensors under it itself
+    (``load_checkpoint_tensor``: the stacked experts of model/moe.py), or None."""
+    path = name
+    while "." in path:
+        path = path.rpartition(".")[0]
+        module = modules.get(path)
+        if module is not None and hasattr(module, "load_checkpoint_tensor"):
+            return path, module
+    return None
+
+
+def _load_tensor(model, modules: dict, name: str, tensor, fused_map: dict, from_gguf: bool) -> set[str] | str | None:
+    """Load one checkpoint tensor; the piece(s) it filled (``module.kind:part``), or None if it is not used."""
     if "rotary_emb" in name or (name == "lm_head.weight" and model.shape.tie_word_embeddings):
         return None
     original = name
     name = _renamed(name, getattr(model, "renamed", {}))
     if isinstance(tensor, torch.Tensor):
         tensor = model.prepare_weight(name, tensor, from_gguf)
+    claimed = _claiming_module(modules, name)
+    if claimed is not None:  # e.g. experts.3.gate_proj.weight, or a stacked experts.gate_up_proj
+        path, module = claimed
+        return module.load_checkpoint_tensor(path, name[len(path) + 1:], tensor, original)
     path, _, kind = name.rpartition(".")
     parent, _, leaf = path.rpartition(".")
     part = None
@@ -160,6 +182,9 @@ def _expected_pieces(model, fused_map: dict) -> set[str]:
         parts.setdefault(fused, []).append(part)
     pieces = set()
     for path, module in model.named_modules():
+        if hasattr(module, "expected_pieces"):  # loads its own tensors (model/moe.py)
+            pieces |= module.expected_pieces(path)
+            continue
         leaf = path.rpartition(".")[2]
         for kind, _ in module.named_parameters(recurse=False):
             if leaf in parts and hasattr(module, "weight_loader"):

@@ -42,6 +42,11 @@ NATIVE: dict[str, str] = {
     "SmolLM3ForCausalLM": "smollm3:SmolLM3ForCausalLM",
     "CohereForCausalLM": "cohere:CohereForCausalLM",
     "Glm4ForCausalLM": "glm4:Glm4ForCausalLM",
+    # mixture-of-experts families (model/moe.py)
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen_moe:Qwen3MoeForCausalLM",
+    "GraniteMoeForCausalLM": "granitemoe:GraniteMoeForCausalLM",
 }
 TRANSFORMERS_BACKEND = "transformers_backend:TransformersModel"
 
@@ -50,7 +55,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
                "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "cohere": "CohereForCausalLM",
-               "glm4": "Glm4ForCausalLM"}
+               "glm4": "Glm4ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM"}
 MODEL_IMPLS = ("auto", "native", "transformers")
 
 

@@ -82,7 +82,7 @@ class ModelRunner:
         if config.tensor_parallel_size > 1 and not model_class.fast_paths.tensor_parallel:
             raise ConfigError(f"tensor_parallel_size={config.tensor_parallel_size}: {shape.architecture} "
                               "runs on one device only (docs/models.md)")
-        check_tensor_parallel(shape, config.tensor_parallel_size)
+        check_tensor_parallel(shape, config.tensor_parallel_size, config.enable_expert_parallel)
         return shape
 
     def _build(self, config: EngineConfig, hf_config, source: ModelSource | Path, max_model_len: int) -> None:

@@ -12,6 +12,35 @@ from dataclasses import dataclass, fields
 
 # how a layer wires its norms around attention and MLP (model/decoder.py, DecoderLayer)
 LAYOUTS = ("pre", "sandwich", "post", "parallel")
+# how a mixture-of-experts router turns its logits into each token's experts and weights (model/moe.py)
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "topk_sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A sparse mixture-of-experts MLP: its experts, its router and its shared expert (model/moe.py).
+
+    Defaults are Mixtral's: softmax over every expert's logit, the top ``top_k`` kept and renormalised
+    to sum to one, SiLU-gated experts, no shared expert."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int               # one expert's (the whole model's; a TP rank holds a share)
+    router: str = "softmax_topk"         # one of ROUTERS: softmax/sigmoid before or after the top-k choice
+    renormalize: bool = True             # the chosen weights divided by their sum (norm_topk_prob)
+    router_bias: bool = False            # the router projection has a bias (gpt-oss)
+    score_correction_bias: bool = False  # a per-expert bias added for the choice only (DeepSeek V3)
+    num_groups: int = 1                  # grouped top-k: experts in groups, the best ``topk_groups`` groups kept
+    topk_groups: int = 1
+    routed_scaling: float = 1.0          # routed experts' sum times this (DeepSeek routed_scaling_factor)
+    weights_on_input: bool = False       # the routing weight scales the expert's input, not its output (Llama 4)
+    activation: str = "silu"             # "silu" (SwiGLU) or "swiglu_clamped" (gpt-oss: clamped, alpha, +1)
+    expert_bias: bool = False            # biases on the experts' projections (gpt-oss)
+    swiglu_alpha: float = 1.702          # gpt-oss's clamped SwiGLU constants
+    swiglu_limit: float = 7.0
+    shared_intermediate_size: int = 0    # a shared expert every token goes through (0: none)
+    shared_gate: bool = False            # the shared expert's output times sigmoid(a learnt gate) (Qwen2-MoE)
+    gate_up_interleaved: bool = False    # stacked checkpoint gate/up columns alternate (gpt-oss) instead of halves
 
 
 @dataclass
@@ -46,6 +75,8 @@ class DecoderShape:
     logit_divisor: float = 1.0           # logits divided by this (Granite's logits_scaling)
     layer_windows: tuple = ()            # per layer: sliding-window size or None (global); () = all global
     rope_layers: tuple = ()              # per layer: False where the layer has no rope (SmolLM3); () = all rope
+    moe: MoEShape | None = None          # the sparse MLP of mixture-of-experts models (model/moe.py)
+    moe_layers: tuple = ()               # per layer: True where the MLP is sparse; () = every layer when moe is set
 
     @classmethod
     def from_hf_config(cls, config) -> "DecoderShape":
@@ -76,6 +107,12 @@ class DecoderShape:
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the sparse mixture of experts (else the dense ``intermediate_size``)."""
+        if self.moe is None:
+            return False
+        return bool(self.moe_layers[layer]) if self.moe_layers else True
+
     def has_rope(self, layer: int) -> bool:
         return bool(self.rope_layers[layer]) if self.rope_layers else True
 
@@ -84,7 +121,7 @@ class DecoderShape:
         """Exactly Llama's computation (biases on q/k/v allowed): what the C decode stack implements."""
         plain = DecoderShape(**{f.name: getattr(self, f.name) for f in fields(self)
                                 if f.name in _SIZE_FIELDS})
-        return (not self.qk_norm and all(getattr(self, f) == getattr(plain, f) for f in _FEATURE_FIELDS)
+        return (not self.qk_norm and self.moe is None and all(getattr(self, f) == getattr(plain, f) for f in _FEATURE_FIELDS)
                 and not any(w is not None for w in self.layer_windows))
 
 

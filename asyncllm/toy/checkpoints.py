@@ -66,6 +66,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_key_value_heads=2, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])),
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, logit_scale=0.5)),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(num_key_value_heads=2, attention_bias=True)),
+    # mixture-of-experts families (model/moe.py): 8 experts, top-2, on 3 layers so dense and sparse layers mix
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, num_local_experts=8,
+                                                            num_experts_per_tok=2, intermediate_size=64)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True, head_dim=16)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
+        embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.6, logits_scaling=2.0)),
     # architectures without a native file: they run through transformers' modules (model/transformers_backend.py)
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, tie_word_embeddings=False)),

@@ -1,0 +1,31 @@
+"""Mixtral: Mistral's attention with a sparse MLP of SiLU-gated experts in every layer.
+
+The router softmaxes every expert's logit, keeps each token's ``num_experts_per_tok`` best and renormalises
+them to sum to one (model/moe.py). Checkpoints store one ``w1``/``w3``/``w2`` tensor per expert under
+``block_sparse_moe``, read here as the engine's ``mlp``.
+"""
+
+from __future__ import annotations
+
+from .decoder import FastPaths
+from .llama import LlamaForCausalLM
+from .moe import moe_shape
+from .shape import DecoderShape
+
+# what a mixture-of-experts family may use: the C decode stack and CUDA graphs run dense MLPs only
+MOE_FAST_PATHS = FastPaths(decode_stack=False, cuda_graphs=False)
+# adapters touch the attention projections; the experts' own LoRA is not loaded (docs/moe.md)
+ATTENTION_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    fast_paths = MOE_FAST_PATHS
+    lora_targets = ATTENTION_LORA_TARGETS
+    renamed = {"block_sparse_moe": "mlp"}
+    gguf_architectures = ()
+
+    @classmethod
+    def read_shape(cls, config) -> DecoderShape:
+        shape = super().read_shape(config)
+        shape.moe = moe_shape(config, router="softmax_topk", renormalize=True)
+        return shape

@@ -1,0 +1,236 @@
+"""Mixture-of-experts models (model/moe.py): routing and experts against transformers' own modules, greedy
+output equal to transformers for Mixtral, Qwen2-MoE, Qwen3-MoE and GraniteMoe, tensor and expert parallel
+equal to one process, LoRA on a MoE model equal to PEFT merged, and checkpoints refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.errors import ConfigError, LoRAError, ModelLoadError
+from asyncllm.model.moe import expert_activation, grouped_experts, reference_experts, route
+from asyncllm.model.shape import MoEShape
+from checkpoints import random_prompts, reference_greedy, strong_peft_adapter
+
+MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"]
+NEW_TOKENS = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+_references: dict[str, list[list[int]]] = {}
+
+
+def prompts(kind: str) -> list[list[int]]:
+    return random_prompts(kind, [1, 5, 9, 17, 40])
+
+
+def reference(kind: str, model_dir) -> list[list[int]]:
+    if kind not in _references:
+        _references[kind] = reference_greedy(model_dir, prompts(kind), NEW_TOKENS)
+    return _references[kind]
+
+
+# ---- routing and experts, against transformers' modules -------------------------------------------------
+
+def _transformers_router(kind: str, config, weight: torch.Tensor):
+    """transformers' own router module for ``kind`` with ``weight`` loaded."""
+    if kind == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter as Router
+    elif kind == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter as Router
+    else:
+        from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeTopKRouter as Router
+    router = Router(config)
+    router.weight.data.copy_(weight)
+    return router
+
+
+@pytest.mark.parametrize("kind,router,norm", [("mixtral", "softmax_topk", True), ("qwen3_moe", "softmax_topk", False),
+                                              ("granitemoe", "topk_softmax", True)])
+def test_routing_equals_transformers(kind, router, norm):
+    import transformers
+
+    config_class = {"mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+                    "granitemoe": transformers.GraniteMoeConfig}[kind]
+    config = config_class(hidden_size=32, num_experts=16, num_local_experts=16, num_experts_per_tok=4,
+                          norm_topk_prob=norm)
+    torch.manual_seed(0)
+    weight, x = torch.randn(16, 32), torch.randn(50, 32)
+    *_, scores, ids = _transformers_router(kind, config, weight)(x)
+    moe = MoEShape(num_experts=16, top_k=4, intermediate_size=8, router=router, renormalize=norm)
+    got_weights, got_ids = route(x @ weight.T, moe)
+    assert torch.equal(got_ids, ids)
+    torch.testing.assert_close(got_weights, scores.float(), rtol=1e-6, atol=1e-7)
+    if norm:
+        torch.testing.assert_close(got_weights.sum(-1), torch.ones(50))
+
+
+def test_grouped_topk_keeps_the_best_groups_only():
+    """DeepSeek V3's choice: experts outside each token's best group never win, however high their score."""
+    moe = MoEShape(num_experts=8, top_k=2, intermediate_size=8, router="sigmoid_topk", num_groups=4, topk_groups=1,
+                   routed_scaling=2.5)
+    logits = torch.full((1, 8), -4.0)
+    logits[0, 0] = 5.0   # the best single expert, alone in group 0 (its pair scores low)
+    logits[0, 4], logits[0, 5] = 3.0, 3.0  # group 2: the best pair
+    weights, ids = route(logits, moe)
+    assert sorted(ids[0].tolist()) == [4, 5]
+    torch.testing.assert_close(weights.sum(), torch.tensor(2.5))  # renormalised, then scaled
+    bias = torch.zeros(8)
+    bias[0] = bias[1] = 10.0  # the correction bias moves the choice, not the weights
+    weights, ids = route(logits, moe, bias)
+    assert sorted(ids[0].tolist()) == [0, 1]
+    s = torch.sigmoid(logits[0, :2])
+    torch.testing.assert_close(weights[0].sort().values, (2.5 * s / s.sum()).sort().values)
+
+
+@pytest.mark.parametrize("activation,bias,on_input", [("silu", False, False), ("swiglu_clamped", True, False),
+                                                      ("silu", False, True)])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_grouped_experts_equal_the_per_token_reference(activation, bias, on_input, tokens):
+    torch.manual_seed(tokens)
+    e, h, i, k = 8, 16, 12, 3
+    moe = MoEShape(num_experts=e, top_k=k, intermediate_size=i, activation=activation)
+    x = torch.randn(tokens, h)
+    w13, w2 = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    b13, b2 = (torch.randn(e, 2 * i), torch.randn(e, h)) if bias else (None, None)
+    weights, ids = route(torch.randn(tokens, e), moe)
+    act = expert_activation(moe)
+    expected = reference_experts(x, weights, ids, w13, w2, act, b13, b2, on_input)
+    got = grouped_experts(x, weights, ids, w13, w2, act, 0, b13, b2, on_input)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # two expert-parallel halves, each with its own experts, sum to the whole
+    halves = [grouped_experts(x, weights, ids, w13[s:s + 4], w2[s:s + 4], act, s,
+                              None if b13 is None else b13[s:s + 4], None if b2 is None else b2[s:s + 4], on_input)
+              for s in (0, 4)]
+    torch.testing.assert_close(halves[0] + halves[1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_clamped_swiglu_is_gpt_oss_formula():
+    moe = MoEShape(num_experts=1, top_k=1, intermediate_size=2, activation="swiglu_clamped", swiglu_limit=7.0)
+    gate_up = torch.tensor([[9.0, -1.0, 8.0, -9.0]])  # gate (9, -1), up (8, -9)
+    gate, up = torch.tensor([7.0, -1.0]), torch.tensor([7.0, -7.0])
+    expected = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    torch.testing.assert_close(expert_activation(moe)(gate_up)[0], expected)
+
+
+# ---- whole models -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_family_greedy_equals_transformers(kind, model_dir_factory):
+    model_dir = model_dir_factory(kind)
+    expected = reference(kind, model_dir)
+    assert len(set(expected[-1])) > 5
+    for engine_kwargs in ({}, {"block_size": 4, "max_num_batched_tokens": 16}):  # whole and chunked prefill
+        llm = LLM(str(model_dir), dtype="float32", **engine_kwargs)
+        runner = llm.engine.runner
+        assert runner.architecture.native and runner.decode_stack is None
+        layers = runner.model.model.layers
+        assert any(type(layer.mlp).__name__ == "SparseMoE" for layer in layers)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)]
+        assert got == expected, engine_kwargs
+        assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_dense_and_sparse_layers_follow_the_config(model_dir_factory):
+    """Qwen's mlp_only_layers=[1]: layer 1 is dense, 0 and 2 sparse; the shared expert and its gate exist."""
+    llm = LLM(str(model_dir_factory("qwen2_moe")), dtype="float32")
+    layers = llm.engine.runner.model.model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["SparseMoE", "MLP", "SparseMoE"]
+    assert layers[0].mlp.shared_expert_gate.weight.shape == (1, 64)
+    assert layers[0].mlp.experts.w13.shape == (8, 64, 64)  # 8 experts, gate and up rows of 32
+
+
+@pytest.mark.parametrize("kind,expert_parallel", [("mixtral", False), ("mixtral", True), ("qwen3_moe", False),
+                                                  ("qwen3_moe", True)])
+def test_moe_tp2_and_ep2_equal_one_process(kind, expert_parallel, model_dir_factory):
+    """Two gloo ranks: experts' columns split (TP), or whole experts per rank (EP) combined by an all-reduce."""
+    model_dir = model_dir_factory(kind)
+    with LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+             block_size=4, kv_cache_memory=4 << 20) as llm:
+        stack = llm.engine.runner.model.model.layers[0].mlp.experts
+        assert stack.w13.shape[0] == (4 if expert_parallel else 8)
+        assert stack.w2.shape[2] == (64 if kind == "mixtral" else 32) // (1 if expert_parallel else 2)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(kind), GREEDY)]
+    assert got == reference(kind, model_dir)
+
+
+def test_expert_parallel_needs_experts_divisible_by_the_ranks(model_dir_factory, tmp_path):
+    from asyncllm.toy.checkpoints import build_checkpoint
+
+    model_dir = build_checkpoint("mixtral", tmp_path / "m", num_local_experts=3)
+    with pytest.raises(ConfigError, match="3 experts"):
+        LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ConfigError, match="enable_expert_parallel must be a bool"):
+        LLM(str(model_dir), dtype="float32", enable_expert_parallel="yes")
+
+
+def test_lora_on_qwen3_moe_equals_peft_merged(model_dir_factory, tmp_path):
+    model_dir = model_dir_factory("qwen3_moe")
+    merged = strong_peft_adapter(model_dir, ["q_proj", "v_proj", "o_proj"], tmp_path / "adapter", seed=3)
+    expected = reference_greedy(model_dir, prompts("qwen3_moe"), NEW_TOKENS, model=merged)
+    assert expected != reference("qwen3_moe", model_dir)
+    llm = LLM(str(model_dir), dtype="float32", block_size=4)
+    llm.add_lora("a", str(tmp_path / "adapter"))
+    with_adapter = llm.generate(prompts("qwen3_moe"), GREEDY, lora="a")
+    assert [o.outputs[0].token_ids for o in with_adapter] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts("qwen3_moe"), GREEDY)] == reference(
+        "qwen3_moe", model_dir)
+
+
+def test_lora_on_experts_is_refused_by_name(model_dir_factory, tmp_path):
+    model_dir = model_dir_factory("qwen3_moe")
+    adapter = tmp_path / "experts"
+    strong_peft_adapter(model_dir, ["q_proj"], adapter, seed=1)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", "gate_proj"]
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    llm = LLM(str(model_dir), dtype="float32")
+    with pytest.raises(LoRAError, match="gate_proj"):
+        llm.add_lora("experts", str(adapter))
+
+
+def test_stacked_expert_tensors_load_like_per_expert_ones(model_dir_factory, tmp_path):
+    """The same Mixtral weights saved stacked ([E, H, 2I] gate_up_proj, [E, I, H] down_proj, as Llama 4 and
+    gpt-oss checkpoints store experts) give the same tokens; a wrong stack is refused naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    source = model_dir_factory("mixtral")
+    target = tmp_path / "stacked"
+    target.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (target / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    out = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in range(2):
+        p = f"model.layers.{layer}.block_sparse_moe.experts"
+        gate = torch.stack([tensors[f"{p}.{e}.w1.weight"] for e in range(8)])
+        up = torch.stack([tensors[f"{p}.{e}.w3.weight"] for e in range(8)])
+        down = torch.stack([tensors[f"{p}.{e}.w2.weight"] for e in range(8)])
+        out[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1).transpose(1, 2).contiguous()
+        out[f"{p}.down_proj"] = down.transpose(1, 2).contiguous()
+    save_file(out, target / "model.safetensors")
+    llm = LLM(str(target), dtype="float32")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts("mixtral"), GREEDY)] == reference("mixtral", source)
+    llm.close()
+    out["model.layers.0.block_sparse_moe.experts.down_proj"] = out["model.layers.0.block_sparse_moe.experts.down_proj"][:7]
+    save_file(out, target / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="experts.down_proj.*8 experts"):
+        LLM(str(target), dtype="float32")
+
+
+def test_a_missing_expert_is_named(model_dir_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = model_dir_factory("qwen3_moe")
+    target = tmp_path / "missing"
+    target.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (target / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, target / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model.layers.2.mlp.experts.5.up"):
+        LLM(str(target), dtype="float32")

@@ -26,14 +26,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.parallel import SINGLE, TensorParallel
 from ..errors import ModelLoadError
 from ..kernels.metadata import AttentionMetadata
-from ..kernels.ops import add_rms_norm, rms_norm, silu_and_mul
-from .layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelLMHead, vocab_rows
+from ..kernels.ops import add_rms_norm, rms_norm
+from .layers import QKVParallelLinear, RowParallelLinear, VocabParallelLMHead, vocab_rows
+from .mlp import MLP
+from .moe import SparseMoE
 from .registry import LLAMA_LORA_TARGETS, SPLIT_PROJECTIONS
 from .rotary import RotaryEmbedding, rope_parameters, rope_type_of
 from .shape import DecoderShape
@@ -144,39 +145,6 @@ class Attention(nn.Module):
         return self.tp.all_reduce(result)  # row-parallel: each rank holds a partial sum
 
 
-def _activation(name: str):
-    if name == "silu":
-        return silu_and_mul
-    if name == "gelu_tanh":
-        return lambda gate, up: F.gelu(gate, approximate="tanh") * up
-    return lambda gate, up: F.gelu(gate) * up
-
-
-class MLP(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_index: int = 0, lora=None, tp: TensorParallel = SINGLE,
-                 full: DecoderShape | None = None) -> None:
-        super().__init__()
-        full = full or shape
-        self.layer_index, self.lora, self.tp = layer_index, lora, tp
-        self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, [full.intermediate_size] * 2,
-                                                       shape.mlp_bias, tp)
-        self.down_proj = RowParallelLinear(shape.intermediate_size, shape.hidden_size, shape.mlp_bias,
-                                           tp.split(full.intermediate_size), tp)
-        self.act_and_mul = _activation(shape.activation)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        lora = self.lora if self.lora is not None and self.lora.groups else None
-        if lora:
-            lora.apply(self.layer_index, "gate_up_proj", x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = self.act_and_mul(gate, up)
-        out = self.down_proj(hidden)
-        if lora:
-            lora.apply(self.layer_index, "down_proj", hidden, out)
-        return self.tp.all_reduce(out)
-
-
 class DecoderLayer(nn.Module):
     """Attention and MLP with their norms wired as ``shape.layout`` says:
 
@@ -192,8 +160,6 @@ class DecoderLayer(nn.Module):
         self.layout, self.residual_scale = shape.layout, shape.residual_scale
         self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp, full)
         if shape.is_moe(layer_index):
-            from .moe import SparseMoE
-
             self.mlp = SparseMoE(shape, layer_index, tp, full)
         else:
             self.mlp = MLP(shape, layer_index, lora, tp, full)

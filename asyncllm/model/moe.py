@@ -30,6 +30,7 @@ from torch import nn
 
 from ..distributed.parallel import SINGLE, TensorParallel
 from ..errors import ModelLoadError
+from .mlp import MLP
 from .shape import DecoderShape, MoEShape
 
 
@@ -280,8 +281,6 @@ class SparseMoE(nn.Module):
     def __init__(self, shape: DecoderShape, layer_index: int, tp: TensorParallel = SINGLE,
                  full: DecoderShape | None = None) -> None:
         super().__init__()
-        from .decoder import MLP
-
         full = full or shape
         moe = shape.moe
         self.moe, self.tp, self.layer_index = moe, tp, layer_index

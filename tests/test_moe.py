@@ -234,3 +234,42 @@ def test_a_missing_expert_is_named(model_dir_factory, tmp_path):
     save_file(tensors, target / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"model.layers.2.mlp.experts.5.up"):
         LLM(str(target), dtype="float32")
+
+
+def test_int8_experts_equal_float32_on_rounded_weights(model_dir_factory, tmp_path):
+    """quantization="int8": the experts are int8 rows too (4x smaller), and the model computes what float32
+    computes on the checkpoint rounded to int8 and back."""
+    from test_model_sources import _rounded_checkpoint
+
+    model_dir = model_dir_factory("qwen3_moe")
+    int8 = LLM(str(model_dir), dtype="float32", quantization="int8")
+    stack = int8.engine.runner.model.model.layers[0].mlp.experts
+    assert stack.w13 is None and stack.w13_int8.qweight.dtype == torch.int8
+    assert stack.w13_int8.qweight.shape == (8, 64, 64) and stack.w13_int8.scales.shape == (8, 64, 1)
+    rounded = LLM(str(_rounded_checkpoint(model_dir, tmp_path / "rounded")), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    for got, expected in zip(int8.generate(prompts("qwen3_moe"), params), rounded.generate(prompts("qwen3_moe"), params)):
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert got.outputs[0].cumulative_logprob == pytest.approx(expected.outputs[0].cumulative_logprob, abs=1e-3)
+
+
+def test_quantized_experts_are_refused_by_name(model_dir_factory, tmp_path):
+    """An FP8 or GPTQ checkpoint's experts are not loaded as if they were float: the load stops naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    source = model_dir_factory("mixtral")
+    for label, change in [("fp8", lambda t, k: {k: t[k].to(torch.float8_e4m3fn)}),
+                          ("gptq", lambda t, k: {k.replace(".weight", ".qweight"): t[k].to(torch.int32)})]:
+        target = tmp_path / label
+        target.mkdir()
+        for f in source.iterdir():
+            if f.suffix != ".safetensors":
+                (target / f.name).write_bytes(f.read_bytes())
+        tensors = load_file(source / "model.safetensors")
+        key = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+        replacement = change(tensors, key)
+        del tensors[key]
+        tensors.update(replacement)
+        save_file(tensors, target / "model.safetensors")
+        with pytest.raises(ModelLoadError, match=r"experts\.1\.w1.*stores its experts quantized"):
+            LLM(str(target), dtype="float32")

@@ -51,7 +51,8 @@ def route(logits: torch.Tensor, moe: MoEShape, correction: torch.Tensor | None =
         choice = _best_groups(choice, moe)
     _, ids = choice.topk(k, dim=-1, sorted=moe.num_groups == 1)
     weights = scores.gather(1, ids)
-    if moe.renormalize and k > 1:
+    # DeepSeek V3 (sigmoid) divides even a single weight by itself; the softmax families renormalise from k = 2
+    if moe.renormalize and (k > 1 or moe.router == "sigmoid_topk"):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if moe.router == "sigmoid_topk" else 0.0))
     if moe.routed_scaling != 1.0:
         weights = weights * moe.routed_scaling
@@ -59,15 +60,18 @@ def route(logits: torch.Tensor, moe: MoEShape, correction: torch.Tensor | None =
 
 
 def _best_groups(choice: torch.Tensor, moe: MoEShape) -> torch.Tensor:
-    """``choice`` with the experts outside each token's best ``topk_groups`` groups set to zero (a group scores
-    the sum of its two best experts under a sigmoid router (DeepSeek V3), its best expert otherwise (V2))."""
+    """``choice`` with the experts outside each token's best ``topk_groups`` groups ruled out. Under a sigmoid
+    router (DeepSeek V3) a group scores the sum of its two best experts and the others become -inf (a negative
+    correction bias can push a kept expert's choice below zero); otherwise (V2's softmax) a group scores its best
+    expert and the others become zero."""
     tokens, experts = choice.shape
     grouped = choice.view(tokens, moe.num_groups, experts // moe.num_groups)
     group_scores = (grouped.topk(2, dim=-1)[0].sum(dim=-1) if moe.router == "sigmoid_topk"
                     else grouped.max(dim=-1).values)
     best = group_scores.topk(moe.topk_groups, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(group_scores).scatter_(1, best, 1.0).bool()
-    return grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(tokens, experts)
+    out = float("-inf") if moe.router == "sigmoid_topk" else 0.0
+    return grouped.masked_fill(~keep.unsqueeze(-1), out).view(tokens, experts)
 
 
 def expert_activation(moe: MoEShape):
@@ -140,6 +144,33 @@ def reference_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return out
 
 
+class Int8Experts(nn.Module):
+    """Stacked expert weights as int8 rows with float32 scales; ``self[e]`` is expert ``e``'s float weight."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)   # [E, N, K] int8
+        self.register_buffer("scales", scales)     # [E, N, K // G] float32
+        self.dtype = dtype
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int | None) -> "Int8Experts":
+        from ..kernels.int8_weights import quantize_weight
+
+        e, n, k = weight.shape
+        qweight, scales = quantize_weight(weight.reshape(e * n, k), group_size)
+        return cls(qweight.view(e, n, k), scales.view(e, n, -1), weight.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        q, s = self.qweight[e], self.scales[e]
+        n, k = q.shape
+        return (q.view(n, s.shape[1], -1).float() * s.unsqueeze(-1)).view(n, k).to(self.dtype)
+
+
 class MoERouter(nn.Module):
     """The router projection (``[E, H]``, a bias for gpt-oss, DeepSeek V3's score-correction bias)."""
 
@@ -159,6 +190,9 @@ class MoERouter(nn.Module):
 # per-expert checkpoint tensors: "<expert>.<projection>.weight" (Mixtral names them w1/w3/w2)
 _PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# the tensors quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8) store next to or instead of a weight
+_QUANTIZED_KINDS = {"qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
+                    "weight_scale_inv", "weight_shape", "weight_g_idx", "input_scale"}
 # stacked checkpoint tensors -> (part, transposed): [E, H, 2I]/[E, I, H] (Llama 4, gpt-oss) or [E, 2I, H]/[E, H, I]
 _STACKED = {"gate_up_proj": ("gate_up", True), "down_proj": ("down", True),
             "input_linear.weight": ("gate_up", False), "output_linear.weight": ("down", False),
@@ -199,8 +233,12 @@ class ExpertStack(nn.Module):
 
     def load_checkpoint_tensor(self, path: str, rest: str, tensor: torch.Tensor, name: str) -> set[str]:
         """Place checkpoint tensor ``name`` (``rest``: its name below this module); the pieces it filled."""
-        if not isinstance(tensor, torch.Tensor):
-            raise ModelLoadError(f"tensor {name!r}: quantized expert weights of this kind are not supported")
+        kind = rest.rpartition(".")[2]
+        if (not isinstance(tensor, torch.Tensor) or kind in _QUANTIZED_KINDS
+                or (tensor.is_floating_point() and tensor.element_size() == 1)):
+            raise ModelLoadError(f"tensor {name!r}: this checkpoint stores its experts quantized, which is not "
+                                 "supported for mixture-of-experts layers yet; load the float checkpoint (with "
+                                 "quantization='int8' the experts are made int8 at load, docs/moe.md)")
         match = _PER_EXPERT.match(rest)
         if match:
             expert, part, kind = int(match.group(1)), _PART[match.group(2)], match.group(3)
@@ -260,12 +298,22 @@ class ExpertStack(nn.Module):
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)} per expert, expected {expected}")
         target.copy_(value)
 
+    def to_int8(self, group_size: int | None = None) -> None:
+        """Weight-only int8 (``quantization="int8"``): every expert's rows as int8 with float32 scales (one per row,
+        or per ``group_size`` columns), the float weights dropped; each active expert is widened as it runs."""
+        self.w13_int8 = Int8Experts.quantize(self.w13.data, group_size)
+        self.w2_int8 = Int8Experts.quantize(self.w2.data, group_size)
+        self.w13 = self.w2 = None
+
     # ---- the forward pass ----
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the routed experts' weighted sum (a partial sum under TP/EP)."""
         from ..kernels.ops import use_triton
 
+        if self.w13 is None:  # int8 experts
+            return grouped_experts(x, weights, ids, self.w13_int8, self.w2_int8, self.activation, self.first_expert,
+                                   self.b13, self.b2, self.moe.weights_on_input)
         if use_triton(x):
             from ..kernels.triton_moe import triton_available_for, triton_fused_experts
 

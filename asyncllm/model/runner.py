@@ -138,6 +138,10 @@ class ModelRunner:
         load_weights(self.model, source, self.architecture, keep_q8_0=self.weight_format.int8, shape=self.shape)
         count = finish_layers(self.model)
         if self.weight_format.int8:
+            for module in list(self.model.modules()):
+                if hasattr(module, "to_int8"):  # mixture-of-experts stacks (model/moe.py)
+                    module.to_int8(self.weight_format.group_size)
+                    count += 1
             if self.shape.tie_word_embeddings:
                 int8_tied_head(self.model, self.weight_format)
                 count += 1

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CUDA + Triton: replay decode steps as CUDA graphs (default on)")
     engine.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="split the model over N processes (docs/scaling.md)")
+    engine.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="mixture-of-experts layers: whole experts per tensor-parallel rank (docs/moe.md)")
     engine.add_argument("--nnodes", type=int, default=None,
                         help="machines the tensor-parallel ranks span (set MASTER_ADDR/MASTER_PORT on each)")
     engine.add_argument("--node-rank", type=int, default=None,

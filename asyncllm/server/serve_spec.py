@@ -77,8 +77,8 @@ class ServeSpec:
 
 
 ENGINE_EXTRAS = ("block_size", "enable_prefix_caching", "max_loras", "max_lora_rank", "max_cpu_loras",
-                 "attention_backend", "model_impl", "enable_cuda_graphs", "tensor_parallel_size", "nnodes",
-                 "node_rank", "seed")
+                 "attention_backend", "model_impl", "enable_cuda_graphs", "tensor_parallel_size",
+                 "enable_expert_parallel", "nnodes", "node_rank", "seed")
 
 
 def engine_extras(args) -> dict:

@@ -36,6 +36,9 @@ SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_ke
 MOE = dict(SHAPE, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=128, intermediate_size=1024,
            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
 DENSE = dict(SHAPE, intermediate_size=8 * 128)
+# --tiny (tests): the same two models at toy size
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 TARGETS = {"vs_transformers_batch_32": 3.0, "moe_over_dense_step_batch_32": 2.0}
 
 
@@ -43,15 +46,25 @@ def log(message: str) -> None:
     print(f"[w_moe] {message}", file=sys.stderr, flush=True)
 
 
-def ensure_model(work_dir: Path, kind: str) -> Path:
+def model_configs(tiny: bool) -> dict[str, dict]:
+    """The MoE model's and the dense model's config overrides."""
+    if not tiny:
+        return {"moe": MOE, "dense": DENSE}
+    moe = {**MOE, **TINY}
+    dense = {k: v for k, v in moe.items() if k in SHAPE}
+    dense["intermediate_size"] = TINY["num_experts_per_tok"] * TINY["moe_intermediate_size"]
+    return {"moe": moe, "dense": dense}
+
+
+def ensure_model(work_dir: Path, kind: str, tiny: bool = False) -> Path:
     from asyncllm.toy.checkpoints import build_checkpoint
 
-    target = work_dir / f"w_moe-{kind}"
+    target = work_dir / f"w_moe-{kind}{'-tiny' if tiny else ''}"
     if (target / "config.json").is_file():
         return target
     log(f"building {target.name} ...")
     tmp = target.with_name(target.name + ".tmp")
-    build_checkpoint("qwen3_moe" if kind == "moe" else "qwen3", tmp, **(MOE if kind == "moe" else DENSE))
+    build_checkpoint("qwen3_moe" if kind == "moe" else "qwen3", tmp, **model_configs(tiny)[kind])
     tmp.rename(target)
     return target
 
@@ -103,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     results: dict[str, Any] = {"asyncllm": {}, "transformers": {}, "step_ms_batch": {}}
     for kind in ("moe", "dense"):
-        model_dir = ensure_model(args.work_dir, kind)
+        model_dir = ensure_model(args.work_dir, kind, args.tiny)
         llm = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=max(args.batches),
                   skip_tokenizer_init=True, generation_config="none")
         try:
@@ -127,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["transformers"][str(b)] = round(b * args.gen_len / seconds, 1)
                 log(f"transformers moe B={b}: {b * args.gen_len / seconds:.1f} tok/s")
             del model
-    mine, theirs = results["asyncllm"]["moe"], results["transformers"]
+    mine, theirs = results["asyncllm"]["moe"], results["transformers"]  # (empty with --skip-transformers)
     results["vs_transformers"] = {b: round(mine[b] / theirs[b], 2) for b in mine if b in theirs}
     steps = results["step_ms_batch"]
     results["moe_over_dense_step"] = round(steps["moe"] / steps["dense"], 2)
@@ -142,6 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="toy-sized models (the tests' smoke run)")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "asyncllm" / "w_moe")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "w_moe.json")
     return parser.parse_args(argv)
@@ -154,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     report = {"benchmark": "w_moe", "started": started, "machine": machine_info(), "argv": sys.argv[1:],
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
-              "model": {"moe": MOE, "dense": DENSE}, "results": results, "targets": TARGETS}
+              "model": model_configs(args.tiny), "results": results, "targets": TARGETS}
     print(f"asyncllm MoE tok/s {results['asyncllm']['moe']}; transformers {results['transformers']}; "
           f"ratio {results['vs_transformers']}; decode step at B={max(args.batches)}: MoE "
           f"{results['step_ms_batch']['moe']} ms, dense {results['step_ms_batch']['dense']} ms "

@@ -384,3 +384,19 @@ def test_w_int4_counts_checkpoint_and_model_bytes(model_dir_factory, tmp_path, c
                                            "model_bytes": held, "checkpoint_bytes": 1 << 20, "memory_ratio": 1.0}},
                        [1], {"asyncllm-gptq4/llamacpp-q4_0@1": 0.5})
     assert "asyncllm-gptq4/llamacpp-q4_0@1: 0.50x" in capsys.readouterr().out
+
+
+def test_w_moe_tiny_run(tmp_path, capsys):
+    """W-MOE end to end at toy size: asyncllm and transformers on the MoE model, the dense model's step."""
+    from benchmarks import w_moe
+
+    out = tmp_path / "w_moe.json"
+    assert w_moe.main(["--tiny", "--batches", "1,4", "--prompt-len", "8", "--gen-len", "4",
+                       "--work-dir", str(tmp_path / "models"), "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results["asyncllm"]["moe"]) == {"1", "4"} and set(results["transformers"]) == {"1", "4"}
+    assert all(v > 0 for v in results["asyncllm"]["moe"].values())
+    assert results["vs_transformers"]["4"] == pytest.approx(
+        results["asyncllm"]["moe"]["4"] / results["transformers"]["4"], rel=0.01)
+    assert results["step_ms_batch"]["moe"] > 0 and results["step_ms_batch"]["dense"] > 0
+    assert "decode step at B=4" in capsys.readouterr().out

@@ -158,7 +158,12 @@ class DecoderLayer(nn.Module):
                  tp: TensorParallel = SINGLE, full: DecoderShape | None = None) -> None:
         super().__init__()
         self.layout, self.residual_scale = shape.layout, shape.residual_scale
-        self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp, full)
+        if shape.mla is not None:  # multi-head latent attention (DeepSeek), over a cache of latents
+            from .mla import LatentAttention
+
+            self.self_attn = LatentAttention(shape, layer_index, rotary, backend, tp, full)
+        else:
+            self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp, full)
         if shape.is_moe(layer_index):
             self.mlp = SparseMoE(shape, layer_index, tp, full)
         else:
@@ -297,6 +302,16 @@ class DecoderModel(nn.Module):
         """One rotary embedding shared by every layer that has rope."""
         rotary = RotaryEmbedding.from_config(config, shape.head_dim, max_positions, interleaved=cls.interleaved_rope)
         return [rotary if shape.has_rope(i) else None for i in range(shape.num_layers)]
+
+    @classmethod
+    def kv_cache_layout(cls, shape: DecoderShape) -> tuple[int, int, bool]:
+        """(KV heads, head dim, shared) of each layer's paged cache for this rank's ``shape``; shared: one tensor
+        is both the K and the V cache (the latent of multi-head latent attention), allocated and counted once."""
+        return shape.num_kv_heads, shape.head_dim, False
+
+    def skips_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` is not part of this model (DeepSeek's multi-token-prediction layers)."""
+        return False
 
     @classmethod
     def prepare_weight(cls, name: str, tensor: torch.Tensor, from_gguf: bool = False) -> torch.Tensor:

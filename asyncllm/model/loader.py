@@ -142,6 +142,9 @@ def _load_tensor(model, modules: dict, name: str, tensor, fused_map: dict, from_
     """Load one checkpoint tensor; the piece(s) it filled (``module.kind:part``), or None if it is not used."""
     if "rotary_emb" in name or (name == "lm_head.weight" and model.shape.tie_word_embeddings):
         return None
+    skips = getattr(model, "skips_tensor", None)
+    if skips is not None and skips(name):
+        return None
     original = name
     name = _renamed(name, getattr(model, "renamed", {}))
     if isinstance(tensor, torch.Tensor):

@@ -47,6 +47,9 @@ NATIVE: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "qwen_moe:Qwen3MoeForCausalLM",
     "GraniteMoeForCausalLM": "granitemoe:GraniteMoeForCausalLM",
+    # multi-head latent attention over a latent KV cache (model/mla.py), with mixture-of-experts MLPs
+    "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",
 }
 TRANSFORMERS_BACKEND = "transformers_backend:TransformersModel"
 
@@ -56,7 +59,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
                "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "cohere": "CohereForCausalLM",
                "glm4": "Glm4ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
+               "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 MODEL_IMPLS = ("auto", "native", "transformers")
 
 

@@ -228,9 +228,19 @@ class ModelRunner:
         pack_linear_layers(self.model, extra={"lm_head": head} if tied and panel_head is None else None)
 
     @property
-    def bytes_per_block(self) -> int:
+    def kv_layout(self) -> tuple[int, int, bool]:
+        """(KV heads, head dim, shared) of each layer's cache on this rank: the family's ``kv_cache_layout``
+        (model/decoder.py); shared means one tensor is both K and V (DeepSeek's latent cache)."""
+        layout = getattr(self.model_class, "kv_cache_layout", None)
         s = self.local_shape
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
+        return layout(s) if layout is not None else (s.num_kv_heads, s.head_dim, False)
+
+    @property
+    def bytes_per_block(self) -> int:
+        kv_heads, head_dim, shared = self.kv_layout
+        tensors = 1 if shared else 2
+        return (tensors * self.local_shape.num_layers * self.block_size * kv_heads * head_dim
+                * torch.finfo(self.dtype).bits // 8)
 
     def _count_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         budget = config.kv_cache_memory or self._default_kv_bytes()
@@ -253,11 +263,14 @@ class ModelRunner:
         return int(min(_available_ram() * _CPU_KV_SHARE, _CPU_KV_CAP))
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        s = self.local_shape
-        shape = (self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-        # zeros, not empty: masked-out slots must not hold NaN bit patterns (0 * NaN = NaN)
-        return [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
-                for _ in range(s.num_layers)]
+        kv_heads, head_dim, shared = self.kv_layout
+        shape = (self.num_blocks, self.block_size, kv_heads, head_dim)
+        caches = []
+        for _ in range(self.local_shape.num_layers):
+            # zeros, not empty: masked-out slots must not hold NaN bit patterns (0 * NaN = NaN)
+            k_cache = _zeros(shape, self.dtype, self.device)
+            caches.append((k_cache, k_cache if shared else _zeros(shape, self.dtype, self.device)))
+        return caches
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -331,7 +344,8 @@ class ModelRunner:
         src, dst = stage([[c[0] for c in copies], [c[1] for c in copies]], self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+            if v_cache is not k_cache:  # a shared (latent) cache is copied once
+                v_cache[dst] = v_cache[src]
 
     def _host_block_tables(self, step: StepInput, max_blocks: int) -> np.ndarray:
         """The step's block tables on the host, ``[sequences, max_blocks]``: rows of the persistent

@@ -43,6 +43,27 @@ class MoEShape:
     gate_up_interleaved: bool = False    # stacked checkpoint gate/up columns alternate (gpt-oss) instead of halves
 
 
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-head latent attention (DeepSeek V2/V3, model/mla.py): keys and values come from one compressed
+    latent per token, which is what the paged cache holds (with the token's rotated rope key)."""
+
+    q_lora_rank: int | None   # the query's low-rank bottleneck (None: one q_proj)
+    kv_lora_rank: int         # the latent's width
+    qk_nope_head_dim: int     # per head: the query/key dimensions without rope
+    qk_rope_head_dim: int     # per head: the rope dimensions (one rope key shared by every head)
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Values per token and layer in the cache: the normed latent, then the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 @dataclass
 class DecoderShape:
     """The architecture facts the decoder needs, read from a transformers config."""
@@ -77,6 +98,7 @@ class DecoderShape:
     rope_layers: tuple = ()              # per layer: False where the layer has no rope (SmolLM3); () = all rope
     moe: MoEShape | None = None          # the sparse MLP of mixture-of-experts models (model/moe.py)
     moe_layers: tuple = ()               # per layer: True where the MLP is sparse; () = every layer when moe is set
+    mla: MLAShape | None = None          # latent attention (DeepSeek): num_kv_heads is 1, head_dim its cache_dim
 
     @classmethod
     def from_hf_config(cls, config) -> "DecoderShape":
@@ -121,7 +143,8 @@ class DecoderShape:
         """Exactly Llama's computation (biases on q/k/v allowed): what the C decode stack implements."""
         plain = DecoderShape(**{f.name: getattr(self, f.name) for f in fields(self)
                                 if f.name in _SIZE_FIELDS})
-        return (not self.qk_norm and self.moe is None and all(getattr(self, f) == getattr(plain, f) for f in _FEATURE_FIELDS)
+        return (not self.qk_norm and self.moe is None and self.mla is None
+                and all(getattr(self, f) == getattr(plain, f) for f in _FEATURE_FIELDS)
                 and not any(w is not None for w in self.layer_windows))
 
 

@@ -78,6 +78,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
         embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.6, logits_scaling=2.0)),
+    # DeepSeek (model/deepseek.py): multi-head latent attention, a dense first layer, then 8 routed experts (top-2,
+    # group-limited) and a shared one; V3 with a query low-rank projection, sigmoid routing and yarn rope
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+        routed_scaling_factor=1.5, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                         "beta_slow": 1})),
     # architectures without a native file: they run through transformers' modules (model/transformers_backend.py)
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, tie_word_embeddings=False)),
@@ -219,6 +233,9 @@ def _reinit_peaked(model: torch.nn.Module, seed: int, std: float, logit_scale: f
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         else:
             p.copy_(std * torch.randn(p.shape, generator=gen))
+    for name, b in model.named_buffers():  # DeepSeek V3's routing bias is a saved buffer: make it matter
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen))
     final = _final_norm(model)
     if final is None:  # a final norm without weights (OLMo): scale the LM head instead
         model.get_output_embeddings().weight.mul_(logit_scale)

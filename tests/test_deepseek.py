@@ -129,6 +129,57 @@ def test_multi_token_prediction_layers_are_not_loaded(model_dir_factory, tmp_pat
         LLM(str(target), dtype="float32")
 
 
+@pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
+def test_backends_attend_over_one_latent_cache(name):
+    """Every paged backend runs latent attention as MQA: the one cache tensor given as K and V cache, head_dim
+    kv_lora_rank + rope (40: not a power of two), the output's first kv_lora_rank dims kept."""
+    from asyncllm.kernels.cpu_attention import CpuAttentionBackend, cpu_kernels_available
+    from asyncllm.kernels.torch_attention import TorchAttentionBackend
+    from kernel_cases import DEVICE, paged_batch
+
+    if name == "cpu" and (DEVICE.type != "cpu" or not cpu_kernels_available()):
+        pytest.skip("the C kernels run on CPU")
+    if name == "triton":
+        from asyncllm.kernels.triton_attention import AttentionTuning, TritonAttentionBackend
+
+        backend = TritonAttentionBackend(4, 1, AttentionTuning(tile_n=16, prefill_block_m=16, num_sms=4))
+    else:
+        backend = TorchAttentionBackend() if name == "torch" else CpuAttentionBackend()
+    device = DEVICE if name == "triton" else torch.device("cpu")
+    specs = [(0, 1), (13, 1), (0, 11), (9, 6), (30, 1)]  # decodes, a prefill, a chunk after cached blocks
+    batch = paged_batch(specs, 4, 1, CACHE_DIM, 4, torch.float32, seed=5)
+    meta = batch.meta()
+    for field in ("slot_mapping", "block_tables", "seq_lens_tensor", "query_start_tensor"):
+        setattr(meta, field, getattr(meta, field).to(device))
+    cache, query, entry = batch.k_cache.to(device), batch.query.to(device), batch.key.to(device)
+    backend.prepare(meta)
+    backend.write_kv(entry, entry, cache, cache, meta)
+    scale = 24 ** -0.5
+    out = backend.forward(query, cache, cache, meta, scale)[..., :32].cpu()
+    cache, query = cache.cpu(), query.cpu()
+    for i, (cached, new) in enumerate(specs):  # dense attention per sequence over the blocks it was given
+        keys = cache[torch.tensor(batch.block_tables[i])].reshape(-1, CACHE_DIM)[:cached + new]
+        q = query[meta.query_start[i]:meta.query_start[i + 1]]                # [new, heads, dim]
+        scores = torch.einsum("thd,kd->htk", q, keys) * scale
+        visible = torch.arange(cached + new)[None, :] <= torch.arange(cached, cached + new)[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        expected = torch.einsum("htk,kd->thd", probs, keys[:, :32])
+        torch.testing.assert_close(out[meta.query_start[i]:meta.query_start[i + 1]], expected,
+                                   atol=2e-5, rtol=2e-5)
+
+
+def test_v3_tensor_parallel_splits_heads_and_replicates_the_latent(model_dir_factory):
+    """Two gloo ranks: each keeps 2 of the 4 heads (q_b_proj rows, kv_b_proj heads, o_proj columns) and the
+    whole latent cache; the tokens are transformers'."""
+    model_dir = model_dir_factory("deepseek_v3")
+    with LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, block_size=4, kv_cache_memory=1 << 20) as llm:
+        runner = llm.engine.runner
+        attention = runner.model.model.layers[0].self_attn
+        assert attention.kv_b_proj.weight.shape == (2, 32, 32) and attention.q_b_proj.weight.shape == (2 * 24, 32)
+        assert runner.kv_caches[0][0].shape[2:] == (1, CACHE_DIM)
+        assert _tokens(llm, prompts("deepseek_v3")) == reference("deepseek_v3", model_dir)
+
+
 # ---- routing, against transformers' routers -----------------------------------------------------------------
 
 @pytest.mark.parametrize("top_k", [1, 3])

@@ -46,19 +46,20 @@ def _transformers_router(kind: str, config, weight: torch.Tensor):
     return router
 
 
+@pytest.mark.parametrize("top_k", [1, 4])
 @pytest.mark.parametrize("kind,router,norm", [("mixtral", "softmax_topk", True), ("qwen3_moe", "softmax_topk", False),
-                                              ("granitemoe", "topk_softmax", True)])
-def test_routing_equals_transformers(kind, router, norm):
+                                              ("qwen3_moe", "softmax_topk", True), ("granitemoe", "topk_softmax", True)])
+def test_routing_equals_transformers(kind, router, norm, top_k):
     import transformers
 
     config_class = {"mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
                     "granitemoe": transformers.GraniteMoeConfig}[kind]
-    config = config_class(hidden_size=32, num_experts=16, num_local_experts=16, num_experts_per_tok=4,
+    config = config_class(hidden_size=32, num_experts=16, num_local_experts=16, num_experts_per_tok=top_k,
                           norm_topk_prob=norm)
     torch.manual_seed(0)
     weight, x = torch.randn(16, 32), torch.randn(50, 32)
     *_, scores, ids = _transformers_router(kind, config, weight)(x)
-    moe = MoEShape(num_experts=16, top_k=4, intermediate_size=8, router=router, renormalize=norm)
+    moe = MoEShape(num_experts=16, top_k=top_k, intermediate_size=8, router=router, renormalize=norm)
     got_weights, got_ids = route(x @ weight.T, moe)
     assert torch.equal(got_ids, ids)
     torch.testing.assert_close(got_weights, scores.float(), rtol=1e-6, atol=1e-7)

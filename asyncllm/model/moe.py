@@ -51,8 +51,8 @@ def route(logits: torch.Tensor, moe: MoEShape, correction: torch.Tensor | None =
         choice = _best_groups(choice, moe)
     _, ids = choice.topk(k, dim=-1, sorted=moe.num_groups == 1)
     weights = scores.gather(1, ids)
-    # DeepSeek V3 (sigmoid) divides even a single weight by itself; the softmax families renormalise from k = 2
-    if moe.renormalize and (k > 1 or moe.router == "sigmoid_topk"):
+    # as transformers does, even a single chosen weight is divided by itself (top-1 Mixtral: weight 1)
+    if moe.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if moe.router == "sigmoid_topk" else 0.0))
     if moe.routed_scaling != 1.0:
         weights = weights * moe.routed_scaling
@@ -183,7 +183,10 @@ class MoERouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)
+        if self.moe.router == "sigmoid_topk":  # DeepSeek V3 scores in float32 whatever the model's dtype
+            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        else:
+            logits = F.linear(x, self.weight, self.bias)
         return route(logits, self.moe, getattr(self, "e_score_correction_bias", None))
 
 

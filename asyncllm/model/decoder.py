@@ -31,9 +31,10 @@ from torch import nn
 from ..distributed.parallel import SINGLE, TensorParallel
 from ..errors import ModelLoadError
 from ..kernels.metadata import AttentionMetadata
-from ..kernels.ops import add_rms_norm, rms_norm
 from .layers import QKVParallelLinear, RowParallelLinear, VocabParallelLMHead, vocab_rows
+from .mla import LatentAttention
 from .mlp import MLP
+from .norms import make_norm
 from .moe import SparseMoE
 from .registry import LLAMA_LORA_TARGETS, SPLIT_PROJECTIONS
 from .rotary import RotaryEmbedding, rope_parameters, rope_type_of
@@ -50,45 +51,6 @@ class FastPaths:
     cuda_graphs: bool = True      # decode steps replayed as CUDA graphs
     tensor_parallel: bool = True  # heads and MLP columns split over ranks
     lora: bool = True             # PEFT adapters on the lora_targets
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as transformers does, then cast back."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + x, norm(residual + x)), fused into one kernel where Triton ops are on."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm without bias, in float32 (Cohere's)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype, x = x.dtype, x.float()
-        mean = x.mean(-1, keepdim=True)
-        variance = (x - mean).pow(2).mean(-1, keepdim=True)
-        return (self.weight.float() * ((x - mean) * torch.rsqrt(variance + self.eps))).to(dtype)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        total = residual + x
-        return total, self(total)
-
-
-def make_norm(shape: DecoderShape, size: int) -> nn.Module:
-    return LayerNorm(size, shape.rms_norm_eps) if shape.norm == "layer" else RMSNorm(size, shape.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -159,7 +121,6 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layout, self.residual_scale = shape.layout, shape.residual_scale
         if shape.mla is not None:  # multi-head latent attention (DeepSeek), over a cache of latents
-            from .mla import LatentAttention
 
             self.self_attn = LatentAttention(shape, layer_index, rotary, backend, tp, full)
         else:

@@ -30,7 +30,7 @@ from torch import nn
 from ..distributed.parallel import SINGLE, TensorParallel
 from ..errors import ModelLoadError
 from ..kernels.metadata import AttentionMetadata
-from .decoder import RMSNorm
+from .norms import RMSNorm
 from .layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from .rotary import RotaryEmbedding, rope_parameters, rope_type_of
 from .shape import DecoderShape, MLAShape

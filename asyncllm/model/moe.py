@@ -312,7 +312,7 @@ class ExpertStack(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the routed experts' weighted sum (a partial sum under TP/EP)."""
-        from ..kernels.ops import use_triton
+        from ..kernels.ops import use_cpu, use_triton
 
         if self.w13 is None:  # int8 experts
             return grouped_experts(x, weights, ids, self.w13_int8, self.w2_int8, self.activation, self.first_expert,
@@ -322,6 +322,12 @@ class ExpertStack(nn.Module):
 
             if triton_available_for(self):
                 return triton_fused_experts(x, weights, ids, self)
+        if use_cpu(x):  # the C kernel of kernels/cpu_moe.py: the whole step in one call (None: shapes it skips)
+            from ..kernels.cpu_moe import stack_experts_cpu
+
+            out = stack_experts_cpu(x, weights, ids, self)
+            if out is not None:
+                return out
         return grouped_experts(x, weights, ids, self.w13, self.w2, self.activation, self.first_expert,
                                self.b13, self.b2, self.moe.weights_on_input)
 

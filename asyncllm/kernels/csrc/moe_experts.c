@@ -1,0 +1,346 @@
+/* The routed experts of a mixture-of-experts layer for the CPU path, a whole step in one call (float32):
+ *
+ *     out[t] (+)= sum over t's chosen local experts e, ascending:  w[t, e] * (act(x[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])
+ *
+ * w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] are the PyTorch Linear layouts of
+ * model/moe.py's ExpertStack, read as they are. ids/weights [T, k] are the router's choices; ids outside
+ * first_expert .. first_expert + E (another expert-parallel rank's experts) are skipped. The torch path
+ * (grouped_experts) pays ~50 us of per-op overhead per active expert; here one call does:
+ *
+ * - the (token, expert) pairs counting-sorted by expert, tokens ascending within an expert (the order of
+ *   grouped_experts' stable argsort);
+ * - phase 1: per active expert and block of RB gate rows (with the matching up rows), the dot products of
+ *   those weight rows with every one of the expert's tokens, then the gated activation, into a pair buffer
+ *   [P, 2I] (gate half overwritten by the activation). Work items (expert, row block) are shared out
+ *   dynamically over the OpenMP threads, so each weight row is read from memory once per step;
+ * - phase 2: out[token, n] += w * (h . w2[e, n] + b2[e, n]); each thread owns a range of the H output
+ *   columns (no two threads write one element, no atomics) and visits the experts in ascending order, so a
+ *   token's sum runs expert by expert as transformers' loop and grouped_experts' index_add_ do.
+ *
+ * Micro-kernel (tile_dots): R weight rows x C token rows of partial dot products, one vector accumulator
+ * each (R * C <= NACC: 8 with AVX2, 16 with AVX-512), every weight vector loaded once for the C tokens and
+ * every token vector once for the R rows; the NACC accumulators are summed across lanes together by a
+ * transpose-and-add tree (reduce8: 3 shuffle levels for 8 sums, instead of 8 separate horizontal sums).
+ * C is 4 for full chunks of an expert's tokens (loads: R + 4 per 4R FMAs), and the remainder (1-3 tokens)
+ * takes more rows per tile. The AVX-512 build folds each 16-lane accumulator to 8 lanes and uses the same
+ * reduce8. Without AVX2/FMA the same code runs on scalars (VL = 1).
+ *
+ * H and I must be multiples of 16 (the wrapper falls back to torch otherwise). Results differ from
+ * the torch path only by the order of the float32 sums inside each dot product. Built and loaded like
+ * int8_linear.c (cpu_build.py: -O3 -march=native -fopenmp -ffp-contract=off).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+__attribute__((simd("notinbranch"))) float expf(float);
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#if defined(__AVX512F__)
+#define MOE_AVX512 1
+typedef __m512 vf;
+#define VL 16
+#define NACC 16
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#else
+#define MOE_AVX2 1
+typedef __m256 vf;
+#define VL 8
+#define NACC 8
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#endif
+#else
+typedef float vf;
+#define VL 1
+#define NACC 8
+#define vzero() 0.0f
+#define vload(p) (*(p))
+#define vfma(a, b, c) ((a) * (b) + (c))
+#endif
+
+#define RB 16   /* gate rows (and as many up rows) per phase-1 work item */
+#define CMAX 4  /* tokens per tile in an expert's full chunks */
+#define MOE_SILU 0
+#define MOE_CLAMPED 1
+
+/* Which code this build runs: 2 AVX-512, 1 AVX2/FMA, 0 portable loops (for the tests and benchmarks). */
+int moe_experts_isa(void) {
+#if defined(MOE_AVX512)
+    return 2;
+#elif defined(MOE_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(MOE_AVX2) || defined(MOE_AVX512)
+static inline __m256 fold128(__m256 x, __m256 y) { /* [x.lo + x.hi | y.lo + y.hi] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+
+/* Lane i = the sum of a[i]'s 8 lanes. Fed as a0 a4 | a1 a5 | a2 a6 | a3 a7, the two hadd levels leave
+ * a0..a3 in the low half and a4..a7 in the high one. */
+static inline __m256 reduce8(const __m256 *a) {
+    const __m256 b0 = fold128(a[0], a[4]), b1 = fold128(a[1], a[5]), b2 = fold128(a[2], a[6]),
+                 b3 = fold128(a[3], a[7]);
+    return _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+}
+#endif
+
+/* res[i] = the lane sum of acc[i], i < NACC. */
+static inline __attribute__((always_inline)) void reduce_store(const vf *acc, float *res) {
+#if defined(MOE_AVX512)
+    __m256 half[NACC];
+    for (int i = 0; i < NACC; i++)
+        half[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+    _mm256_storeu_ps(res, reduce8(half));
+    _mm256_storeu_ps(res + 8, reduce8(half + 8));
+#elif defined(MOE_AVX2)
+    _mm256_storeu_ps(res, reduce8(acc));
+#else
+    for (int i = 0; i < NACC; i++) res[i] = acc[i];
+#endif
+}
+
+/* res[c * R + r] = rows[r] . xs[c] over K floats (K a multiple of VL), r < R, c < C, R * C <= NACC.
+ * next: the rows the caller reads after these (prefetched a line per step, as int8_linear.c does: the
+ * hardware prefetchers follow R interleaved streams from DRAM poorly), or NULL. */
+static inline __attribute__((always_inline)) void tile_dots(const int R, const int C, const float *const *rows,
+                                                            const float *const *xs, int64_t K, float *res,
+                                                            const float *const *next) {
+    vf acc[NACC];
+#pragma GCC unroll 16
+    for (int i = 0; i < NACC; i++) acc[i] = vzero();
+    for (int64_t k = 0; k < K; k += VL) {
+        vf xv[CMAX];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) xv[c] = vload(xs[c] + k);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            const vf w = vload(rows[r] + k);
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) acc[c * R + r] = vfma(w, xv[c], acc[c * R + r]);
+        }
+#if VL > 1
+        if (next && (k * 4) % 64 == 0) {
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) __builtin_prefetch(next[r] + k, 0, 1);
+        }
+#endif
+    }
+    reduce_store(acc, res);
+}
+
+typedef struct {
+    const float *x;
+    int64_t x_stride, H, I;
+    const float *w13, *w2, *b13, *b2;
+    int activation;
+    float alpha, limit;
+    int weights_on_input;
+    float *out;
+    /* the sorted pairs: local expert e's are offsets[e] .. offsets[e + 1] */
+    const int64_t *offsets;
+    const int32_t *tok;
+    const float *pw;
+    float *buf; /* [P, 2I]: gate | up sums, then the activation in the gate half */
+} Step;
+
+/* Phase-1 tiles of Rg gate rows + Rg up rows x C tokens over gate rows j0 .. j0 + RB, pairs pa .. pb (a
+ * multiple of C apart): the raw dot products (times the routing weight with weights_on_input) into buf. */
+static inline __attribute__((always_inline)) void gate_up_tiles(const int Rg, const int C, const Step *s,
+                                                                const float *W, int64_t j0, int64_t pa,
+                                                                int64_t pb) {
+    const int64_t H = s->H, I = s->I;
+    float res[NACC];
+    for (int64_t j = j0; j < j0 + RB; j += Rg) {
+        const float *rows[NACC], *next[NACC];
+        for (int r = 0; r < Rg; r++) {
+            rows[r] = W + (j + r) * H;
+            rows[Rg + r] = W + (I + j + r) * H;
+            /* the next rows this item reads; past the block they are the next item's (harmless) */
+            next[r] = rows[r] + Rg * H;
+            next[Rg + r] = rows[Rg + r] + Rg * H;
+        }
+        for (int64_t p = pa; p < pb; p += C) {
+            const float *xs[CMAX];
+            for (int c = 0; c < C; c++) xs[c] = s->x + (int64_t)s->tok[p + c] * s->x_stride;
+            tile_dots(2 * Rg, C, rows, xs, H, res, p == pa ? next : NULL);
+            for (int c = 0; c < C; c++) {
+                float *g = s->buf + (p + c) * 2 * I;
+                const float scale = s->weights_on_input ? s->pw[p + c] : 1.0f;
+                for (int r = 0; r < Rg; r++) {
+                    g[j + r] = res[c * 2 * Rg + r] * scale;
+                    g[I + j + r] = res[c * 2 * Rg + Rg + r] * scale;
+                }
+            }
+        }
+    }
+}
+
+/* Phase-1 work item: expert e's gate/up rows j0 .. j0 + RB for all its tokens, then the activation. */
+__attribute__((noinline)) static void gate_up_item(const Step *s, int64_t e, int64_t j0) {
+    const int64_t H = s->H, I = s->I, pa = s->offsets[e], n = s->offsets[e + 1] - pa;
+    const float *W = s->w13 + e * 2 * I * H;
+    const int64_t full = n - n % CMAX;
+    if (full) gate_up_tiles(NACC / (2 * CMAX), CMAX, s, W, j0, pa, pa + full);
+    switch (n % CMAX) {
+        case 1: gate_up_tiles(NACC / 2, 1, s, W, j0, pa + full, pa + n); break;
+        case 2: gate_up_tiles(NACC / 4, 2, s, W, j0, pa + full, pa + n); break;
+        case 3: gate_up_tiles(NACC / 8 > 0 ? NACC / 8 : 1, 3, s, W, j0, pa + full, pa + n); break;
+        default: break;
+    }
+    const float *bias = s->b13 ? s->b13 + e * 2 * I : NULL;
+    for (int64_t p = pa; p < pa + n; p++) {
+        float *g = s->buf + p * 2 * I + j0, *u = g + I;
+        float gate[RB], up[RB];
+        for (int j = 0; j < RB; j++) {
+            gate[j] = bias ? g[j] + bias[j0 + j] : g[j];
+            up[j] = bias ? u[j] + bias[I + j0 + j] : u[j];
+        }
+        if (s->activation == MOE_SILU) {
+#pragma omp simd
+            for (int j = 0; j < RB; j++) g[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+        } else { /* gpt-oss: gate clamped above, up both ways, (up + 1) * gate * sigmoid(alpha * gate) */
+            const float alpha = s->alpha, limit = s->limit;
+#pragma omp simd
+            for (int j = 0; j < RB; j++) {
+                const float a = gate[j] < limit ? gate[j] : limit;
+                const float b = up[j] < -limit ? -limit : (up[j] > limit ? limit : up[j]);
+                g[j] = (b + 1.0f) * (a * (1.0f / (1.0f + expf(-(a * alpha)))));
+            }
+        }
+    }
+}
+
+/* Phase-2 tiles of R output columns x C tokens over columns n0 .. n1 (a multiple of R apart), pairs pa .. pb. */
+static inline __attribute__((always_inline)) void down_tiles(const int R, const int C, const Step *s, int64_t e,
+                                                             int64_t n0, int64_t n1, int64_t pa, int64_t pb) {
+    const int64_t H = s->H, I = s->I;
+    const float *W = s->w2 + e * H * I, *bias = s->b2 ? s->b2 + e * H : NULL;
+    float res[NACC];
+    for (int64_t n = n0; n < n1; n += R) {
+        const float *rows[NACC], *next[NACC];
+        for (int r = 0; r < R; r++) {
+            rows[r] = W + (n + r) * I;
+            next[r] = rows[r] + R * I;
+        }
+        for (int64_t p = pa; p < pb; p += C) {
+            const float *xs[CMAX];
+            for (int c = 0; c < C; c++) xs[c] = s->buf + (p + c) * 2 * I;
+            tile_dots(R, C, rows, xs, I, res, p == pa && n + R < n1 ? next : NULL);
+            for (int c = 0; c < C; c++) {
+                float *o = s->out + (int64_t)s->tok[p + c] * H + n;
+                const float *y = res + c * R;
+                if (s->weights_on_input) {
+                    for (int r = 0; r < R; r++) o[r] += bias ? y[r] + bias[n + r] : y[r];
+                } else {
+                    const float w = s->pw[p + c];
+                    for (int r = 0; r < R; r++) o[r] += (bias ? y[r] + bias[n + r] : y[r]) * w;
+                }
+            }
+        }
+    }
+}
+
+/* Phase 2 for one thread's output columns n0 .. n1 (multiples of 16): every local expert, ascending. */
+__attribute__((noinline)) static void down_columns(const Step *s, int64_t E, int64_t n0, int64_t n1) {
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t pa = s->offsets[e], n = s->offsets[e + 1] - pa, full = n - n % CMAX;
+        if (!n) continue;
+        if (full) down_tiles(NACC / CMAX, CMAX, s, e, n0, n1, pa, pa + full);
+        switch (n % CMAX) {
+            case 1: down_tiles(NACC, 1, s, e, n0, n1, pa + full, pa + n); break;
+            case 2: down_tiles(NACC / 2, 2, s, e, n0, n1, pa + full, pa + n); break;
+            case 3: down_tiles(NACC / 4, 3, s, e, n0, n1, pa + full, pa + n); break;
+            default: break;
+        }
+    }
+}
+
+/* The calling thread's scratch (kept for its next call): the sorted pairs, the work list, the pair buffer. */
+static __thread void *moe_scratch = NULL;
+static __thread size_t moe_scratch_len = 0;
+
+static void *scratch_bytes(size_t n) {
+    if (n > moe_scratch_len) {
+        free(moe_scratch);
+        moe_scratch = aligned_alloc(64, (n + 63) / 64 * 64);
+        moe_scratch_len = moe_scratch ? n : 0;
+    }
+    return moe_scratch;
+}
+
+/* out[T, H] = (accumulate ? out : 0) + the routed experts' weighted sum (see the top of this file).
+ * x: T rows of x_stride floats (H used); ids (int64) and weights (float32): [T, k] contiguous; w13 [E, 2I, H],
+ * w2 [E, H, I], b13 [E, 2I] or NULL, b2 [E, H] or NULL, all contiguous; activation 0 SiLU-gated, 1 gpt-oss
+ * clamped (alpha, limit); out: [T, H] contiguous. Returns 0, 1 if scratch memory ran out, 2 for bad shapes. */
+int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t x_stride, const int64_t *ids, const float *weights,
+                    int64_t k, const float *w13, const float *w2, const float *b13, const float *b2, int64_t E,
+                    int64_t first_expert, int64_t I, int activation, float alpha, float limit, int weights_on_input,
+                    float *out, int accumulate, int num_threads) {
+    if (T < 0 || k < 0 || E < 0 || H <= 0 || I <= 0 || H % 16 || I % 16 || x_stride < H) return 2;
+    if (activation != MOE_SILU && activation != MOE_CLAMPED) return 2;
+    if (T == 0) return 0;
+    const int64_t pairs = T * k;
+    /* scratch: offsets [E + 1], work list [E], tok [pairs], pw [pairs], then buf [P, 2I] at a 64-byte boundary */
+    size_t head = (size_t)(E + 1) * 8 + (size_t)E * 8 + (size_t)pairs * 4 + (size_t)pairs * 4;
+    head = (head + 63) / 64 * 64;
+    char *mem = (char *)scratch_bytes(head + (size_t)pairs * 2 * I * sizeof(float));
+    if (!mem) return 1;
+    int64_t *offsets = (int64_t *)mem, *active = offsets + E + 1;
+    int32_t *tok = (int32_t *)(active + E);
+    float *pw = (float *)(tok + pairs);
+
+    /* counting sort by local expert; within one, pairs keep their (token, slot) order */
+    memset(offsets, 0, (size_t)(E + 1) * sizeof(int64_t));
+    for (int64_t f = 0; f < pairs; f++) {
+        const int64_t e = ids[f] - first_expert;
+        if (e >= 0 && e < E) offsets[e + 1]++;
+    }
+    int64_t n_active = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (offsets[e + 1]) active[n_active++] = e;
+        offsets[e + 1] += offsets[e];
+    }
+    const int64_t P = offsets[E];
+    for (int64_t f = 0; f < pairs; f++) {
+        const int64_t e = ids[f] - first_expert;
+        if (e < 0 || e >= E) continue;
+        /* offsets[e] serves as expert e's cursor (it ends at offsets[e + 1]; shifted back below) */
+        const int64_t q = offsets[e]++;
+        tok[q] = (int32_t)(f / k);
+        pw[q] = weights[f];
+    }
+    for (int64_t e = E; e > 0; e--) offsets[e] = offsets[e - 1];
+    offsets[0] = 0;
+
+    Step s = {x, x_stride, H, I, w13, w2, b13, b2, activation, alpha, limit, weights_on_input, out,
+              offsets, tok, pw, (float *)(mem + head)};
+    const int64_t blocks = I / RB, items = n_active * blocks, col_blocks = H / 16;
+    int threads = num_threads > 0 ? num_threads : 1;
+    if (threads > col_blocks) threads = (int)col_blocks;
+
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) gate_up_item(&s, active[it / blocks], (it % blocks) * RB);
+        /* the implicit barrier: every h row is done before phase 2 reads it */
+        const int team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t c0 = col_blocks * me / team * 16, c1 = col_blocks * (me + 1) / team * 16;
+        if (!accumulate)
+            for (int64_t t = 0; t < T; t++) memset(out + t * H + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+        if (c1 > c0 && P) down_columns(&s, E, c0, c1);
+    }
+    return 0;
+}

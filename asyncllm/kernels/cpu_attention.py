@@ -9,7 +9,7 @@ scalar loop for many query tokens; both share the reference's KV write.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class _Decodes:
     rows: torch.Tensor  # [n] int64: query/output row of each decode in the flattened batch
     seqs: torch.Tensor  # [n] int64: its sequence index in the batch (row of block_tables / seq_lens)
     prefills: PrefillPlan  # the step's prefill chunks, for SDPA
+    # chunked layers (Llama 4): (chunk, window) -> decodes grouped by the window their chunk leaves them
+    chunked: dict = field(default_factory=dict)
 
 
 _PAGED_DECODE = (("paged_decode_f32", (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
@@ -93,16 +95,40 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
         output = torch.empty_like(query)
         if meta.backend_state is None:
             self.prepare(meta)
         decodes = meta.backend_state
-        if decodes.rows.numel():
+        if decodes.rows.numel() and chunk is None:
             paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, decodes.rows,
                          decodes.seqs, scale, output, window, softcap)
-        if window is not None or softcap is not None:  # prefill chunks of such layers: the reference
-            windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap, meta.prefill_indices, output)
+        elif decodes.rows.numel():
+            for rows, seqs, seen in _chunked_decodes(decodes, meta, chunk, window):
+                paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, rows, seqs, scale,
+                             output, seen, softcap)
+        if window is not None or softcap is not None or chunk is not None:  # their prefill chunks: the reference
+            windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap, meta.prefill_indices, output,
+                               chunk)
         else:
             self.run_prefills(decodes.prefills, query, k_cache, v_cache, meta, scale, output)
         return output
+
+
+def _chunked_decodes(decodes: _Decodes, meta: AttentionMetadata, chunk: int,
+                     window: int | None) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The step's decodes under chunked attention, as (rows, seqs, window) groups for the C kernel: a decode at
+    position p sees positions ``p // chunk * chunk .. p``, i.e. the last ``p % chunk + 1`` of them, a window that
+    differs by sequence; decodes sharing one go in one call (made once per step, for every chunked layer)."""
+    key = (chunk, window)
+    if key not in decodes.chunked:
+        by_window: dict[int, list[tuple[int, int]]] = {}
+        for row, seq in zip(decodes.rows.tolist(), decodes.seqs.tolist()):
+            seen = (meta.seq_lens[seq] - 1) % chunk + 1
+            by_window.setdefault(seen if window is None else min(seen, window), []).append((row, seq))
+        device = decodes.rows.device
+        decodes.chunked[key] = [
+            (torch.tensor([r for r, _ in pairs], dtype=torch.int64, device=device),
+             torch.tensor([s for _, s in pairs], dtype=torch.int64, device=device), seen)
+            for seen, pairs in by_window.items()]
+    return decodes.chunked[key]

@@ -37,17 +37,20 @@ def _dot(a, b, IEEE_DOT: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, q_pos, m_i, l_i, acc, keys, kv_lo, kv_end, table, k_head, v_head, stride_kb, stride_ks, stride_vb,
-                 stride_vs, dims, dim_ok, scale_log2, window, softcap, BLOCK_SIZE: tl.constexpr,
+                 stride_vs, dims, dim_ok, scale_log2, window, softcap, chunk, BLOCK_SIZE: tl.constexpr,
                  UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr):
+                 HAS_SOFTCAP: tl.constexpr, HAS_CHUNK: tl.constexpr):
     """One step of the online softmax: the rows' scores against key positions ``keys``, found
     through the block table; returns the updated (running max, running sum, unnormalised output).
     ``HAS_WINDOW``: a row sees only the last ``window`` positions up to its own; ``HAS_SOFTCAP``:
-    scores pass through ``softcap * tanh(score / softcap)`` before the softmax. Keys before ``kv_lo``
-    (the window's start for the block's first query) are not even loaded: their blocks may have been
-    given back to the pool (engine/kv_cache.py, release_outside_window)."""
+    scores pass through ``softcap * tanh(score / softcap)`` before the softmax; ``HAS_CHUNK``: a row at
+    position p sees only positions ``p // chunk * chunk .. p`` (Llama 4). Keys before ``kv_lo`` (the
+    window's or chunk's start for the block's first query) are not even loaded: their blocks may have
+    been given back to the pool (engine/kv_cache.py, release_outside_window)."""
     key_ok = keys < kv_end
     if HAS_WINDOW:
+        key_ok = key_ok & (keys >= kv_lo)
+    if HAS_CHUNK:
         key_ok = key_ok & (keys >= kv_lo)
     block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = keys % BLOCK_SIZE
@@ -66,6 +69,8 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, keys, kv_lo, kv_end, table, k_head, v_
     visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
     if HAS_WINDOW:
         visible = visible & (keys[None, :] > q_pos[:, None] - window)
+    if HAS_CHUNK:
+        visible = visible & (keys[None, :] >= (q_pos // chunk * chunk)[:, None])
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps max -inf; 0 as its reference gives exp2 -> 0, not NaN.
@@ -82,13 +87,14 @@ def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr, qblock_seq_ptr, qblock_start_ptr,
-    scale_log2, window, softcap,
+    scale_log2, window, softcap, chunk,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,6 +125,8 @@ def _paged_attention_kernel(
     kv_lo = 0
     if HAS_WINDOW:  # the block's first query sees nothing before its window: skip those tiles
         kv_lo = tl.maximum(context + first_query - window + 1, 0)
+    if HAS_CHUNK:  # nor anything before its chunk
+        kv_lo = tl.maximum(kv_lo, (context + first_query) // chunk * chunk)
     first_tile = kv_lo // TILE_N
     tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
     tile_lo = first_tile + split * tiles_per_split
@@ -133,8 +141,8 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, tile * TILE_N + tl.arange(0, TILE_N), kv_lo, kv_end,
                                      table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_ok,
-                                     scale_log2, window, softcap, BLOCK_SIZE, UPCAST, IEEE_DOT, HAS_WINDOW,
-                                     HAS_SOFTCAP)
+                                     scale_log2, window, softcap, chunk, BLOCK_SIZE, UPCAST, IEEE_DOT, HAS_WINDOW,
+                                     HAS_SOFTCAP, HAS_CHUNK)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -199,7 +207,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     qblock_seq: torch.Tensor, qblock_start: torch.Tensor, scale: float, *, block_m: int,
                     tile_n: int, num_splits: int = 1, partials: tuple | None = None, num_warps: int = 4,
-                    window: int | None = None, softcap: float | None = None) -> None:
+                    window: int | None = None, softcap: float | None = None, chunk: int | None = None) -> None:
     """Attention of the query blocks listed in ``qblock_seq``/``qblock_start`` into ``out``.
 
     query/out: [tokens, heads, head_dim] (last dim contiguous); caches: [blocks, block_size,
@@ -207,7 +215,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     qblock_seq/qblock_start [query blocks]: each block's sequence and first query index in it.
     ``partials`` (from :func:`split_buffers`) is required when ``num_splits > 1``. ``window``: each
     query sees only the last ``window`` positions (itself included); ``softcap``: tanh soft-capping of
-    the scores (Gemma 2). Either compiles its own specialisation; without them the kernel is unchanged.
+    the scores (Gemma 2); ``chunk``: a query at position p sees only positions ``p // chunk * chunk .. p``
+    (Llama 4). Each compiles its own specialisation; without them the kernel is unchanged.
     """
     num_qblocks = qblock_seq.numel()
     if num_qblocks == 0:
@@ -223,11 +232,12 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     _paged_attention_kernel[(num_qblocks, kv_heads, num_splits)](
         out, part_out, part_m, part_l, query, k_cache, v_cache,
         block_tables, seq_lens, query_start, qblock_seq, qblock_start, scale * _LOG2E,
-        int(window or 0), float(softcap or 0.0),
+        int(window or 0), float(softcap or 0.0), int(chunk or 1),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         TILE_N=tile_n, NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_CHUNK=chunk is not None,
         **meta, **dot_flags(query.dtype), num_warps=num_warps)
     if num_splits > 1:
         meta.pop("BLOCK_SIZE")

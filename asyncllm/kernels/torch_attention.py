@@ -128,12 +128,13 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
         """query: [tokens, heads, head_dim] -> output of the same shape. ``window``: each query sees
         only the last ``window`` positions (itself included); ``softcap``: scores pass through
-        ``softcap * tanh(score / softcap)`` before the softmax."""
-        if window is not None or softcap is not None:
-            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap)
+        ``softcap * tanh(score / softcap)`` before the softmax; ``chunk``: a query at position p sees
+        only positions ``p // chunk * chunk .. p`` (Llama 4's chunked attention)."""
+        if window is not None or softcap is not None or chunk is not None:
+            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap, chunk=chunk)
         output = torch.empty_like(query)
         if meta.backend_state is None:
             self.prepare(meta)
@@ -188,11 +189,13 @@ class TorchAttentionBackend:
 
 def windowed_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                        scale: float, window: int | None, softcap: float | None, sequences: list[int] | None = None,
-                       output: torch.Tensor | None = None) -> torch.Tensor:
-    """Paged attention with a sliding window and/or soft-capped scores, one sequence at a time: the
-    reference for those layers (Gemma 2/3, Mistral and Qwen2 windows), and the prefill path of the
-    CPU backend for them. A window also bounds the keys read: only the blocks inside it are gathered.
-    ``sequences``: only these (default: all), written into ``output`` (default: a new tensor)."""
+                       output: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+    """Paged attention with a sliding window, soft-capped scores and/or chunks, one sequence at a time:
+    the reference for those layers (Gemma 2/3, Mistral and Qwen2 windows, Llama 4's chunks), and the
+    prefill path of the CPU backend for them. A window or a chunk also bounds the keys read: only the
+    blocks inside it are gathered. ``chunk``: a query at position p sees only positions
+    ``p // chunk * chunk .. p``. ``sequences``: only these (default: all), written into ``output``
+    (default: a new tensor)."""
     output = torch.empty_like(query) if output is None else output
     kv_heads, dim = k_cache.shape[-2:]
     heads = query.shape[1]
@@ -202,6 +205,8 @@ def windowed_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             continue
         seq_len, q_len = meta.seq_lens[i], end - start
         first = 0 if window is None else max(0, seq_len - q_len - window + 1)  # oldest key any query here sees
+        if chunk is not None:
+            first = max(first, (seq_len - q_len) // chunk * chunk)
         first_block = first // meta.block_size
         num_blocks = -(-seq_len // meta.block_size)
         blocks = meta.block_tables[i, first_block:num_blocks]
@@ -220,6 +225,8 @@ def windowed_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         visible = k_pos <= q_pos
         if window is not None:
             visible &= k_pos > q_pos - window
+        if chunk is not None:
+            visible &= k_pos >= q_pos // chunk * chunk
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         output[start:end] = (probs @ v.float().transpose(0, 1)).transpose(0, 1).to(query.dtype)

@@ -80,7 +80,8 @@ class Attention(nn.Module):
         self.scale = shape.attention_scale or shape.head_dim ** -0.5
         # only the layers that need them pass these: the backends' fast paths take neither
         self.variant = {key: value for key, value in (("window", shape.window(layer_index)),
-                                                      ("softcap", shape.attn_softcap)) if value is not None}
+                                                      ("softcap", shape.attn_softcap),
+                                                      ("chunk", shape.chunk(layer_index))) if value is not None}
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -19,7 +19,8 @@ _PROGRESS_MIN_BYTES = 512 * 2**20  # show a progress bar only for checkpoints wo
 
 
 def load_hf_config(root: Path, model_impl: str = "auto"):
-    """The transformers config, refusing architectures (and variants) this engine cannot run."""
+    """The transformers config, refusing architectures (and variants) this engine cannot run. A multimodal
+    checkpoint whose family runs its text model alone (``language_config``: Llama 4) gives that model's config."""
     from transformers import AutoConfig
 
     try:
@@ -30,8 +31,9 @@ def load_hf_config(root: Path, model_impl: str = "auto"):
                                  "(trust_remote_code), which asyncllm does not run; use a checkpoint whose "
                                  "architecture transformers implements") from exc
         raise ModelLoadError(f"cannot read the config of {root}: {exc}") from exc
-    architecture_for(config, model_impl)
-    return config
+    arch = architecture_for(config, model_impl)
+    language = getattr(arch.model_class(), "language_config", None) if arch.native else None
+    return language(config) if language is not None else config
 
 
 def _asks_for_remote_code(root: Path) -> bool:

@@ -476,10 +476,12 @@ def _decode_metadata(starts: np.ndarray, tables: np.ndarray, block_size: int) ->
 
 
 def _inside_context(shape: DecoderShape, max_model_len: int) -> DecoderShape:
-    """``shape`` without the sliding windows no sequence can outgrow (they change nothing, and the
-    fast paths take only global attention)."""
+    """``shape`` without the sliding windows and attention chunks no sequence can outgrow (they change
+    nothing, and the fast paths take only global attention)."""
     windows = tuple(w if w is not None and w < max_model_len else None for w in shape.layer_windows)
     shape.layer_windows = windows if any(w is not None for w in windows) else ()
+    chunks = tuple(c if c is not None and c < max_model_len else None for c in shape.layer_chunks)
+    shape.layer_chunks = chunks if any(c is not None for c in chunks) else ()
     return shape
 
 

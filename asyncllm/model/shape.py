@@ -95,6 +95,8 @@ class DecoderShape:
     logit_scale: float = 1.0             # logits times this (Cohere)
     logit_divisor: float = 1.0           # logits divided by this (Granite's logits_scaling)
     layer_windows: tuple = ()            # per layer: sliding-window size or None (global); () = all global
+    layer_chunks: tuple = ()             # per layer: attention chunk size or None; a token at position p sees only
+                                         # positions floor(p / C) * C .. p (Llama 4's chunked layers); () = none
     rope_layers: tuple = ()              # per layer: False where the layer has no rope (SmolLM3); () = all rope
     moe: MoEShape | None = None          # the sparse MLP of mixture-of-experts models (model/moe.py)
     moe_layers: tuple = ()               # per layer: True where the MLP is sparse; () = every layer when moe is set
@@ -129,6 +131,9 @@ class DecoderShape:
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def chunk(self, layer: int) -> int | None:
+        return self.layer_chunks[layer] if self.layer_chunks else None
+
     def is_moe(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the sparse mixture of experts (else the dense ``intermediate_size``)."""
         if self.moe is None:
@@ -152,4 +157,4 @@ _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
                 "head_dim", "rms_norm_eps", "qkv_bias", "qk_norm", "tie_word_embeddings", "architecture")
 _FEATURE_FIELDS = ("o_bias", "mlp_bias", "norm", "norm_offset", "layout", "activation", "embedding_scale",
                    "residual_scale", "attention_scale", "attn_softcap", "final_softcap", "logit_scale", "logit_divisor",
-                   "rope_layers")
+                   "rope_layers", "layer_chunks")

@@ -92,6 +92,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 128, "beta_fast": 32,
                          "beta_slow": 1})),
+    # Llama 4 (model/llama4.py): layers 0-2 rope with chunked attention (chunks of 8) and weightless q/k norms, layer
+    # 3 NoPE with temperature tuning (floor_scale 4, so short prompts feel it); layers 1 and 3 sparse (4 experts, top-1,
+    # a shared expert), 0 and 2 dense with intermediate_size_mlp
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8,
+        use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # architectures without a native file: they run through transformers' modules (model/transformers_backend.py)
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, tie_word_embeddings=False)),

@@ -33,7 +33,7 @@ class _Decodes:
 
 _PAGED_DECODE = (("paged_decode_f32", (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                         _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_int, _i64,
-                                        ctypes.c_float),
+                                        ctypes.c_float, _ptr),
                    ctypes.c_int),)
 
 
@@ -48,13 +48,14 @@ def cpu_kernels_available() -> bool:
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, scale: float,
-                 out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> None:
+                 out: torch.Tensor, window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
     """Attention of one query token per decoding sequence over its cached keys/values, written into ``out``.
 
     query/out: [tokens, heads, head_dim] float32 (rows ``rows`` are read/written); caches:
     [num_blocks, block_size, kv_heads, head_dim] contiguous; block_tables: [seqs, max_blocks] int64;
     seq_lens: [seqs] int64; rows/seqs: [n] int64 (decode i uses query row ``rows[i]`` and sequence
-    ``seqs[i]``).
+    ``seqs[i]``). ``sinks``: [heads] logits that join each head's softmax denominator (gpt-oss).
     """
     lib = _library()
     if lib is None:
@@ -70,11 +71,16 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise TypeError(f"{name} must be a contiguous int64 tensor")
     _, block_size, kv_heads, head_dim = k_cache.shape
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+        if sinks.shape != (query.shape[1],):
+            raise ValueError(f"sinks must have one logit per head ({query.shape[1]}), got {tuple(sinks.shape)}")
     failed = lib.paged_decode_f32(
         query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim, query.shape[1],
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
-        seqs.data_ptr(), rows.numel(), scale, torch.get_num_threads(), int(window or 0), float(softcap or 0.0))
+        seqs.data_ptr(), rows.numel(), scale, torch.get_num_threads(), int(window or 0), float(softcap or 0.0),
+        None if sinks is None else sinks.data_ptr())
     if failed == 2:
         raise ValueError("a decoding sequence is empty or longer than its block table covers")
     if failed:
@@ -95,21 +101,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
+                softcap: float | None = None, chunk: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         output = torch.empty_like(query)
         if meta.backend_state is None:
             self.prepare(meta)
         decodes = meta.backend_state
         if decodes.rows.numel() and chunk is None:
             paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, decodes.rows,
-                         decodes.seqs, scale, output, window, softcap)
+                         decodes.seqs, scale, output, window, softcap, sinks)
         elif decodes.rows.numel():
             for rows, seqs, seen in _chunked_decodes(decodes, meta, chunk, window):
                 paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, rows, seqs, scale,
-                             output, seen, softcap)
-        if window is not None or softcap is not None or chunk is not None:  # their prefill chunks: the reference
+                             output, seen, softcap, sinks)
+        if window is not None or softcap is not None or chunk is not None or sinks is not None:
+            # their prefill chunks: the reference
             windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap, meta.prefill_indices, output,
-                               chunk)
+                               chunk, sinks)
         else:
             self.run_prefills(decodes.prefills, query, k_cache, v_cache, meta, scale, output)
         return output

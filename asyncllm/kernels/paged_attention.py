@@ -86,7 +86,7 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, keys, kv_lo, kv_end, table, k_head, v_
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr, qblock_seq_ptr, qblock_start_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr, qblock_seq_ptr, qblock_start_ptr, sinks_ptr,
     scale_log2, window, softcap, chunk,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -94,7 +94,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -145,6 +145,12 @@ def _paged_attention_kernel(
                                      HAS_SOFTCAP, HAS_CHUNK)
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the head's sink logit joins the denominator (exp2 domain, like the scores)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_sink = tl.maximum(m_i, sink)
+            rescale = tl.exp2(m_i - m_sink)
+            l_i = l_i * rescale + tl.exp2(sink - m_sink)
+            acc = acc * rescale[:, None]
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -157,12 +163,13 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, query_start_ptr, qblock_seq_ptr, qblock_start_ptr,
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, query_start_ptr, qblock_seq_ptr, qblock_start_ptr, sinks_ptr,
     stride_ot, stride_oh,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Combine the splits of one (query block, KV head): rescale each partial to the global max."""
+    """Combine the splits of one (query block, KV head): rescale each partial to the global max (the head's
+    sink logit, where there is one, joins the max and the denominator once)."""
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(qblock_seq_ptr + qb)
@@ -178,6 +185,10 @@ def _merge_splits_kernel(
     m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s in tl.static_range(NUM_SPLITS):
         m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s * BLOCK_M, mask=row_ok, other=float("-inf")))
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + kv_head * GROUP + rows % GROUP, mask=row_ok, other=0.0).to(tl.float32)
+        sink = sink * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)   # empty splits carry -inf and weigh 0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
@@ -187,6 +198,8 @@ def _merge_splits_kernel(
         denom += weight * tl.load(part_l_ptr + part, mask=row_ok, other=0.0)
         acc += weight[:, None] * tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :],
                                          mask=row_ok[:, None], other=0.0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_ref)
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     token = (q_begin + q_idx).to(tl.int64)
     head = kv_head * GROUP + rows % GROUP
@@ -207,7 +220,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     qblock_seq: torch.Tensor, qblock_start: torch.Tensor, scale: float, *, block_m: int,
                     tile_n: int, num_splits: int = 1, partials: tuple | None = None, num_warps: int = 4,
-                    window: int | None = None, softcap: float | None = None, chunk: int | None = None) -> None:
+                    window: int | None = None, softcap: float | None = None, chunk: int | None = None,
+                    sinks: torch.Tensor | None = None) -> None:
     """Attention of the query blocks listed in ``qblock_seq``/``qblock_start`` into ``out``.
 
     query/out: [tokens, heads, head_dim] (last dim contiguous); caches: [blocks, block_size,
@@ -216,7 +230,9 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     ``partials`` (from :func:`split_buffers`) is required when ``num_splits > 1``. ``window``: each
     query sees only the last ``window`` positions (itself included); ``softcap``: tanh soft-capping of
     the scores (Gemma 2); ``chunk``: a query at position p sees only positions ``p // chunk * chunk .. p``
-    (Llama 4). Each compiles its own specialisation; without them the kernel is unchanged.
+    (Llama 4); ``sinks`` [heads] (contiguous, any float dtype): a logit per head that joins its softmax's
+    denominator and attends to nothing (gpt-oss). Each compiles its own specialisation; without them the
+    kernel is unchanged.
     """
     num_qblocks = qblock_seq.numel()
     if num_qblocks == 0:
@@ -227,20 +243,24 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     if num_splits > 1 and partials is None:
         raise ValueError("num_splits > 1 needs the partial buffers of split_buffers()")
     part_out, part_m, part_l = partials if num_splits > 1 else (out, out, out)  # unused when not split
+    if sinks is not None and (sinks.shape != (query.shape[1],) or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be contiguous with one logit per head ({query.shape[1]}), "
+                         f"got {tuple(sinks.shape)}")
+    sinks_arg = out if sinks is None else sinks  # not read without HAS_SINKS
     meta = dict(NUM_KV_HEADS=kv_heads, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_Q=block_q)
     _paged_attention_kernel[(num_qblocks, kv_heads, num_splits)](
         out, part_out, part_m, part_l, query, k_cache, v_cache,
-        block_tables, seq_lens, query_start, qblock_seq, qblock_start, scale * _LOG2E,
+        block_tables, seq_lens, query_start, qblock_seq, qblock_start, sinks_arg, scale * _LOG2E,
         int(window or 0), float(softcap or 0.0), int(chunk or 1),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         TILE_N=tile_n, NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_CHUNK=chunk is not None,
+        HAS_CHUNK=chunk is not None, HAS_SINKS=sinks is not None,
         **meta, **dot_flags(query.dtype), num_warps=num_warps)
     if num_splits > 1:
         meta.pop("BLOCK_SIZE")
         _merge_splits_kernel[(num_qblocks, kv_heads)](
-            out, part_out, part_m, part_l, query_start, qblock_seq, qblock_start, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, **meta, num_warps=num_warps)
+            out, part_out, part_m, part_l, query_start, qblock_seq, qblock_start, sinks_arg, out.stride(0),
+            out.stride(1), NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None, **meta, num_warps=num_warps)

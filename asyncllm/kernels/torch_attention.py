@@ -128,13 +128,15 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
+                softcap: float | None = None, chunk: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query: [tokens, heads, head_dim] -> output of the same shape. ``window``: each query sees
         only the last ``window`` positions (itself included); ``softcap``: scores pass through
         ``softcap * tanh(score / softcap)`` before the softmax; ``chunk``: a query at position p sees
-        only positions ``p // chunk * chunk .. p`` (Llama 4's chunked attention)."""
-        if window is not None or softcap is not None or chunk is not None:
-            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap, chunk=chunk)
+        only positions ``p // chunk * chunk .. p`` (Llama 4's chunked attention); ``sinks`` [heads]: one
+        learnt logit per head in each softmax's denominator, attending to nothing (gpt-oss)."""
+        if window is not None or softcap is not None or chunk is not None or sinks is not None:
+            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap, chunk=chunk, sinks=sinks)
         output = torch.empty_like(query)
         if meta.backend_state is None:
             self.prepare(meta)
@@ -189,13 +191,15 @@ class TorchAttentionBackend:
 
 def windowed_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                        scale: float, window: int | None, softcap: float | None, sequences: list[int] | None = None,
-                       output: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+                       output: torch.Tensor | None = None, chunk: int | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention with a sliding window, soft-capped scores and/or chunks, one sequence at a time:
     the reference for those layers (Gemma 2/3, Mistral and Qwen2 windows, Llama 4's chunks), and the
     prefill path of the CPU backend for them. A window or a chunk also bounds the keys read: only the
     blocks inside it are gathered. ``chunk``: a query at position p sees only positions
-    ``p // chunk * chunk .. p``. ``sequences``: only these (default: all), written into ``output``
-    (default: a new tensor)."""
+    ``p // chunk * chunk .. p``. ``sinks`` [heads]: a logit per head that joins the softmax as one more
+    column and is dropped after it (gpt-oss's attention sinks). ``sequences``: only these (default: all),
+    written into ``output`` (default: a new tensor)."""
     output = torch.empty_like(query) if output is None else output
     kv_heads, dim = k_cache.shape[-2:]
     heads = query.shape[1]
@@ -228,6 +232,10 @@ def windowed_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if chunk is not None:
             visible &= k_pos >= q_pos // chunk * chunk
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # the sink's column takes its share of the probability mass, then goes
+            sink = sinks.float()[:, None, None].expand(heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         output[start:end] = (probs @ v.float().transpose(0, 1)).transpose(0, 1).to(query.dtype)
     return output

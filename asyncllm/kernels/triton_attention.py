@@ -126,19 +126,20 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
+                softcap: float | None = None, chunk: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query: [tokens, heads, head_dim] -> output of the same shape (contiguous). ``window``,
-        ``softcap`` and ``chunk`` (sliding-window, soft-capped and chunked layers) are the kernel's own
-        specialisations."""
+        ``softcap``, ``chunk`` and ``sinks`` (sliding-window, soft-capped, chunked layers and gpt-oss's
+        per-head sink logits) are the kernel's own specialisations."""
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.backend_state is None:
             self.prepare(meta)
         for launch in meta.backend_state.launches:
-            self._run(launch, output, query, k_cache, v_cache, meta, scale, window, softcap, chunk)
+            self._run(launch, output, query, k_cache, v_cache, meta, scale, window, softcap, chunk, sinks)
         return output
 
     def _run(self, launch: _Launch, output, query, k_cache, v_cache, meta, scale, window=None, softcap=None,
-             chunk=None) -> None:
+             chunk=None, sinks=None) -> None:
         if launch.num_splits > 1 and launch.partials is None:
             launch.partials = split_buffers(launch.qblock_seq.numel(), self.num_kv_heads, launch.num_splits,
                                             launch.block_m, k_cache.shape[3], query.device)
@@ -148,4 +149,4 @@ class TritonAttentionBackend:
         paged_attention(output, query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor,
                         meta.query_start_tensor, launch.qblock_seq, launch.qblock_start, scale,
                         block_m=launch.block_m, tile_n=max(16, tile_n), num_splits=launch.num_splits,
-                        partials=launch.partials, window=window, softcap=softcap, chunk=chunk)
+                        partials=launch.partials, window=window, softcap=softcap, chunk=chunk, sinks=sinks)

@@ -82,6 +82,9 @@ class Attention(nn.Module):
         self.variant = {key: value for key, value in (("window", shape.window(layer_index)),
                                                       ("softcap", shape.attn_softcap),
                                                       ("chunk", shape.chunk(layer_index))) if value is not None}
+        # gpt-oss: a learnt logit per head that joins the softmax's denominator; under TP this rank's heads' own
+        self.head_start, self.full_heads = head_share[0], full.num_heads
+        self.sinks = nn.Parameter(torch.empty(shape.num_heads)) if shape.attn_sinks else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -101,11 +104,20 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k, meta)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale, **self.variant).view(tokens, self.q_size)
+        variant = self.variant if self.sinks is None else {**self.variant, "sinks": self.sinks}
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale, **variant).view(tokens, self.q_size)
         result = self.o_proj(out)
         if self.lora is not None and self.lora.groups:
             self.lora.apply(self.layer_index, "o_proj", out, result)
         return self.tp.all_reduce(result)  # row-parallel: each rank holds a partial sum
+
+    def weight_loader(self, kind: str, tensor: torch.Tensor, part, name: str) -> None:
+        """The checkpoint's ``sinks`` (one per head of the whole model), cut to this rank's heads."""
+        if kind != "sinks" or self.sinks is None:
+            raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (no matching parameter)")
+        if tuple(tensor.shape) != (self.full_heads,):
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected ({self.full_heads},)")
+        self.sinks.data.copy_(tensor[self.head_start:self.head_start + self.num_heads])
 
 
 class DecoderLayer(nn.Module):

@@ -50,6 +50,8 @@ NATIVE: dict[str, str] = {
     # multi-head latent attention over a latent KV cache (model/mla.py), with mixture-of-experts MLPs
     "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",
+    # attention sinks, alternating sliding/full layers, clamped-SwiGLU experts with biases (model/gpt_oss.py)
+    "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     # interleaved dense/MoE layers, NoPE and chunked-attention layers (model/llama4.py); the multimodal one text-only
     "Llama4ForCausalLM": "llama4:Llama4ForCausalLM",
     "Llama4ForConditionalGeneration": "llama4:Llama4ForConditionalGeneration",
@@ -64,6 +66,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "glm4": "Glm4ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+               "gpt_oss": "GptOssForCausalLM",
                "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration"}
 MODEL_IMPLS = ("auto", "native", "transformers")
 

@@ -91,6 +91,7 @@ class DecoderShape:
     residual_scale: float = 1.0          # attention and MLP outputs times this before the residual (Granite)
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     attn_softcap: float | None = None    # tanh soft-capping of attention scores (Gemma 2)
+    attn_sinks: bool = False             # a learnt per-head logit joins each softmax's denominator (gpt-oss)
     final_softcap: float | None = None   # tanh soft-capping of the logits (Gemma 2)
     logit_scale: float = 1.0             # logits times this (Cohere)
     logit_divisor: float = 1.0           # logits divided by this (Granite's logits_scaling)
@@ -157,4 +158,4 @@ _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
                 "head_dim", "rms_norm_eps", "qkv_bias", "qk_norm", "tie_word_embeddings", "architecture")
 _FEATURE_FIELDS = ("o_bias", "mlp_bias", "norm", "norm_offset", "layout", "activation", "embedding_scale",
                    "residual_scale", "attention_scale", "attn_softcap", "final_softcap", "logit_scale", "logit_divisor",
-                   "rope_layers", "layer_chunks")
+                   "rope_layers", "layer_chunks", "attn_sinks")

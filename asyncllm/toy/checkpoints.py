@@ -100,6 +100,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8,
         use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # gpt-oss (model/gpt_oss.py): attention sinks, layers alternating a window of 8 and full attention, 4 experts
+    # (top-2) with biases, interleaved gate/up columns and a low swiglu_limit so the clamps bite; yarn rope
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], swiglu_limit=3.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})),
     # architectures without a native file: they run through transformers' modules (model/transformers_backend.py)
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, tie_word_embeddings=False)),

@@ -513,7 +513,7 @@ static void attend(const layer_t *L, const float *qkv_row, float *out_row, int64
     const float *q = qkv_row + kvh * per_kv * D, *k = L->k_cache + kvh * D, *v = L->v_cache + kvh * D;
     float *out = out_row + kvh * per_kv * D;
 #define ATTEND(DIM) decode_item(q, D, out, D, k, v, table, n, block_size, kv_heads * D, DIM, per_kv, 1, scale, scores, \
-                                0, 0.0f)
+                                0, 0.0f, NULL)
     switch (D) { /* the common head sizes get unrolled copies */
         case 64: ATTEND(64); break;
         case 128: ATTEND(128); break;

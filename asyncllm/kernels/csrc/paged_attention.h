@@ -60,12 +60,14 @@ static inline int64_t block_tokens(int64_t start, int64_t len, int64_t block_siz
  * heads' outputs are accumulated in acc[(j * group + g) * head_dim + i].
  * `hidden`: the first keys the query may not see (a sliding window that starts inside the first
  * block; the caller starts `table` at the window's first block); `softcap` > 0: scores become
- * softcap * tanh(score / softcap) (Gemma 2). Both 0 for plain attention. */
+ * softcap * tanh(score / softcap) (Gemma 2). Both 0 for plain attention. `sinks` (NULL: none): one
+ * logit per output row (gpt-oss's attention sinks) that joins the softmax's denominator, attending to
+ * nothing. */
 static inline __attribute__((always_inline)) void decode_item(
         const float *q, int64_t q_head_stride, float *out, int64_t out_head_stride,
         const float *k_base, const float *v_base, const int64_t *table, int64_t len, int64_t block_size,
         int64_t token_stride, const int64_t head_dim, int64_t group, int64_t nkv, float scale, float *scores,
-        int64_t hidden, float softcap) {
+        int64_t hidden, float softcap, const float *sinks) {
     const int64_t rows = nkv * group;
     float *acc = scores + rows * len;
     /* Block by block (no division per token); within a block the tokens' KV heads are contiguous,
@@ -91,7 +93,8 @@ static inline __attribute__((always_inline)) void decode_item(
         float max = s[hidden];
 #pragma omp simd reduction(max : max)
         for (int64_t t = hidden + 1; t < len; t++) max = s[t] > max ? s[t] : max;
-        float sum = 0.0f;
+        if (sinks && sinks[r] > max) max = sinks[r];
+        float sum = sinks ? expf(sinks[r] - max) : 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) {
             s[t] = expf(s[t] - max);

@@ -1,8 +1,8 @@
 """Llama 4 (model/llama4.py): greedy output equal to transformers on a tiny checkpoint whose every feature decides
 tokens (chunked attention in chunks of 8 on the rope layers, weightless q/k norms, a NoPE layer with temperature
 tuning, dense and top-1 sigmoid-routed MoE layers with the weight on the expert's input and a shared expert), through
-whole and chunked prefill on the CPU and torch backends, under tensor parallelism and from a multimodal checkpoint
-loaded text-only; the backends' chunked attention against a plain masked softmax; configs refused by key."""
+whole and chunked prefill on the CPU and torch backends, under tensor parallelism, with a LoRA adapter on attention
+and from a multimodal checkpoint loaded text-only; the backends' chunked attention against a plain masked softmax; configs refused by key."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from asyncllm.errors import ModelLoadError
 from asyncllm.kernels.cpu_attention import CpuAttentionBackend, cpu_kernels_available
 from asyncllm.kernels.torch_attention import TorchAttentionBackend
 from asyncllm.model.llama4 import Llama4ForCausalLM, NormedRope, TemperatureTuning
-from checkpoints import load_reference_model, random_prompts, reference_greedy
+from checkpoints import load_reference_model, random_prompts, reference_greedy, strong_peft_adapter
 from kernel_cases import DEVICE, paged_batch
 
 NEW_TOKENS = 16
@@ -97,6 +97,16 @@ def test_multimodal_checkpoint_loads_text_only(model_dir_factory, tmp_path):
         runner = llm.engine.runner
         assert type(runner.model).__name__ == "Llama4ForConditionalGeneration"
         assert _tokens(llm, prompts()[1:3]) == reference(model_dir)[1:3]
+
+
+def test_lora_on_attention_equals_peft_merged(model_dir_factory, tmp_path):
+    model_dir = model_dir_factory("llama4")
+    merged = strong_peft_adapter(model_dir, ["q_proj", "v_proj", "o_proj"], tmp_path / "adapter", seed=3)
+    expected = reference_greedy(model_dir, prompts()[1:], NEW_TOKENS, model=merged)
+    assert expected != reference(model_dir)[1:]
+    with LLM(str(model_dir), dtype="float32", block_size=4) as llm:
+        llm.add_lora("a", str(tmp_path / "adapter"))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts()[1:], GREEDY, lora="a")] == expected
 
 
 def test_configs_refused_by_key(model_dir_factory):

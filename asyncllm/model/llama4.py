@@ -48,13 +48,19 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class NormedRope(RotaryEmbedding):
     """Rope on neighbouring pairs of dimensions, then (``use_qk_norm``) q and k normed per head without
-    weights: a rope layer's treatment of q and k. ``eps`` is the config's ``rms_norm_eps``."""
+    weights: a rope layer's treatment of q and k. ``eps`` is the config's ``rms_norm_eps``. The rotation
+    runs in float32 whatever the model's dtype, as transformers' complex multiplication does."""
 
     eps: float | None = None  # None: rope only
 
+    def build(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().build(device, torch.float32)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 meta=None) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k = super().forward(positions, q, k, meta)
+        dtype = q.dtype
+        q, k = super().forward(positions, q.float(), k.float(), meta)
+        q, k = q.to(dtype), k.to(dtype)
         if self.eps is None:
             return q, k
         return l2_norm(q, self.eps), l2_norm(k, self.eps)

@@ -94,6 +94,18 @@ def test_empty_experts_tokens_and_steps():
 
 
 @needs_c_kernel
+def test_a_long_prefill_goes_in_blocks_of_tokens():
+    """1030 tokens x 8 pairs of 2 x 512 floats overflow the 32 MiB pair buffer: two blocks (1024 + 6 tokens)."""
+    moe = MoEShape(num_experts=8, top_k=8, intermediate_size=512)
+    gen = torch.Generator().manual_seed(4)
+    w13, w2 = torch.randn(8, 1024, 16, generator=gen) / 4, torch.randn(8, 16, 512, generator=gen) / 22
+    x = torch.randn(1030, 16, generator=gen)
+    weights, ids = route(torch.randn(1030, 8, generator=gen), moe)
+    _close(cpu_moe.moe_experts_cpu(x, weights, ids, w13, w2), grouped_experts(x, weights, ids, w13, w2,
+                                                                              expert_activation(moe)))
+
+
+@needs_c_kernel
 def test_strided_inputs_and_thread_counts_give_the_same_bits():
     """Each output element is summed by one thread in one order, so the thread count changes no bit; a strided
     x (a column slice), int32 ids and float64 weights are taken as well."""

@@ -13,8 +13,8 @@
  *   those weight rows with every one of the expert's tokens, then the gated activation, into a pair buffer
  *   [P, 2I] (gate half overwritten by the activation). Work items (expert, row block) are shared out
  *   dynamically over the OpenMP threads, so each weight row is read from memory once per step;
- * - phase 2: out[token, n] += w * (h . w2[e, n] + b2[e, n]); each thread owns a range of the H output
- *   columns (no two threads write one element, no atomics) and visits the experts in ascending order, so a
+ * - phase 2: out[token, n] += w * (h . w2[e, n] + b2[e, n]); a work item is a range of DOWN_COLS output
+ *   columns (no two threads write one element, no atomics) over every expert in ascending order, so a
  *   token's sum runs expert by expert as transformers' loop and grouped_experts' index_add_ do.
  *
  * Micro-kernel (tile_dots): R weight rows x C token rows of partial dot products, one vector accumulator
@@ -34,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <omp.h>
+
 
 __attribute__((simd("notinbranch"))) float expf(float);
 
@@ -68,6 +68,9 @@ typedef float vf;
 
 #define RB 16   /* gate rows (and as many up rows) per phase-1 work item */
 #define CMAX 4  /* tokens per tile in an expert's full chunks */
+#define DOWN_COLS 64 /* output columns per phase-2 work item (a multiple of 16) */
+#define PAIR_BUFFER_BYTES ((int64_t)32 << 20) /* the pair buffer's cap: longer steps go in blocks of tokens */
+#define MIN_BLOCK_TOKENS 16
 #define MOE_SILU 0
 #define MOE_CLAMPED 1
 
@@ -253,7 +256,7 @@ static inline __attribute__((always_inline)) void down_tiles(const int R, const 
     }
 }
 
-/* Phase 2 for one thread's output columns n0 .. n1 (multiples of 16): every local expert, ascending. */
+/* Phase 2 for output columns n0 .. n1 (multiples of 16): every local expert, ascending. */
 __attribute__((noinline)) static void down_columns(const Step *s, int64_t E, int64_t n0, int64_t n1) {
     for (int64_t e = 0; e < E; e++) {
         const int64_t pa = s->offsets[e], n = s->offsets[e + 1] - pa, full = n - n % CMAX;
@@ -281,17 +284,11 @@ static void *scratch_bytes(size_t n) {
     return moe_scratch;
 }
 
-/* out[T, H] = (accumulate ? out : 0) + the routed experts' weighted sum (see the top of this file).
- * x: T rows of x_stride floats (H used); ids (int64) and weights (float32): [T, k] contiguous; w13 [E, 2I, H],
- * w2 [E, H, I], b13 [E, 2I] or NULL, b2 [E, H] or NULL, all contiguous; activation 0 SiLU-gated, 1 gpt-oss
- * clamped (alpha, limit); out: [T, H] contiguous. Returns 0, 1 if scratch memory ran out, 2 for bad shapes. */
-int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t x_stride, const int64_t *ids, const float *weights,
-                    int64_t k, const float *w13, const float *w2, const float *b13, const float *b2, int64_t E,
-                    int64_t first_expert, int64_t I, int activation, float alpha, float limit, int weights_on_input,
-                    float *out, int accumulate, int num_threads) {
-    if (T < 0 || k < 0 || E < 0 || H <= 0 || I <= 0 || H % 16 || I % 16 || x_stride < H) return 2;
-    if (activation != MOE_SILU && activation != MOE_CLAMPED) return 2;
-    if (T == 0) return 0;
+/* One block of tokens (all of the step's, or as many as the pair buffer's cap allows): see moe_experts_f32. */
+static int moe_block(const float *x, int64_t T, int64_t H, int64_t x_stride, const int64_t *ids, const float *weights,
+                     int64_t k, const float *w13, const float *w2, const float *b13, const float *b2, int64_t E,
+                     int64_t first_expert, int64_t I, int activation, float alpha, float limit, int weights_on_input,
+                     float *out, int accumulate, int num_threads) {
     const int64_t pairs = T * k;
     /* scratch: offsets [E + 1], work list [E], tok [pairs], pw [pairs], then buf [P, 2I] at a 64-byte boundary */
     size_t head = (size_t)(E + 1) * 8 + (size_t)E * 8 + (size_t)pairs * 4 + (size_t)pairs * 4;
@@ -327,20 +324,51 @@ int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t x_stride, cons
 
     Step s = {x, x_stride, H, I, w13, w2, b13, b2, activation, alpha, limit, weights_on_input, out,
               offsets, tok, pw, (float *)(mem + head)};
-    const int64_t blocks = I / RB, items = n_active * blocks, col_blocks = H / 16;
+    const int64_t blocks = I / RB, items = n_active * blocks;
+    /* phase 2 in column chunks of DOWN_COLS, more than threads, taken dynamically: a thread the OS
+     * preempts (the cores are often shared) delays a chunk, not a fixed half of the work */
+    const int64_t chunks = (H + DOWN_COLS - 1) / DOWN_COLS;
     int threads = num_threads > 0 ? num_threads : 1;
-    if (threads > col_blocks) threads = (int)col_blocks;
+    if (threads > items + chunks) threads = (int)(items + chunks);
 
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) gate_up_item(&s, active[it / blocks], (it % blocks) * RB);
         /* the implicit barrier: every h row is done before phase 2 reads it */
-        const int team = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t c0 = col_blocks * me / team * 16, c1 = col_blocks * (me + 1) / team * 16;
-        if (!accumulate)
-            for (int64_t t = 0; t < T; t++) memset(out + t * H + c0, 0, (size_t)(c1 - c0) * sizeof(float));
-        if (c1 > c0 && P) down_columns(&s, E, c0, c1);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t c0 = c * DOWN_COLS, c1 = c0 + DOWN_COLS < H ? c0 + DOWN_COLS : H;
+            if (!accumulate)
+                for (int64_t t = 0; t < T; t++) memset(out + t * H + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+            if (P) down_columns(&s, E, c0, c1);
+        }
+    }
+    return 0;
+}
+
+/* out[T, H] = (accumulate ? out : 0) + the routed experts' weighted sum (see the top of this file).
+ * x: T rows of x_stride floats (H used); ids (int64) and weights (float32): [T, k] contiguous; w13 [E, 2I, H],
+ * w2 [E, H, I], b13 [E, 2I] or NULL, b2 [E, H] or NULL, all contiguous; activation 0 SiLU-gated, 1 gpt-oss
+ * clamped (alpha, limit); out: [T, H] contiguous. A long prefill goes in blocks of tokens whose pair buffer
+ * stays under PAIR_BUFFER_BYTES (each block reads the active experts' weights again; a block's tokens are
+ * its own rows of out). Returns 0, 1 if scratch memory ran out, 2 for bad shapes. */
+int moe_experts_f32(const float *x, int64_t T, int64_t H, int64_t x_stride, const int64_t *ids, const float *weights,
+                    int64_t k, const float *w13, const float *w2, const float *b13, const float *b2, int64_t E,
+                    int64_t first_expert, int64_t I, int activation, float alpha, float limit, int weights_on_input,
+                    float *out, int accumulate, int num_threads) {
+    if (T < 0 || k < 0 || E < 0 || H <= 0 || I <= 0 || H % 16 || I % 16 || x_stride < H) return 2;
+    if (activation != MOE_SILU && activation != MOE_CLAMPED) return 2;
+    if (T > INT32_MAX) return 2;
+    const int64_t pair_bytes = 2 * I * (int64_t)sizeof(float), per_token = (k > 0 ? k : 1) * pair_bytes;
+    int64_t block = PAIR_BUFFER_BYTES / per_token;
+    if (block < MIN_BLOCK_TOKENS) block = MIN_BLOCK_TOKENS;
+    for (int64_t t0 = 0; t0 < T; t0 += block) {
+        const int64_t n = T - t0 < block ? T - t0 : block;
+        const int rc = moe_block(x + t0 * x_stride, n, H, x_stride, ids + t0 * k, weights + t0 * k, k, w13, w2, b13,
+                                 b2, E, first_expert, I, activation, alpha, limit, weights_on_input, out + t0 * H,
+                                 accumulate, num_threads);
+        if (rc) return rc;
     }
     return 0;
 }

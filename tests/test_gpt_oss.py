@@ -1,7 +1,7 @@
 """gpt-oss (model/gpt_oss.py): greedy output equal to transformers on a tiny checkpoint (whole and chunked prefill,
 the CPU and torch attention backends, two tensor-parallel ranks), its MoE layer equal to transformers' GptOssMLP,
 attention sinks in the CPU and Triton kernels equal to the torch reference (itself checked against transformers'
-eager attention), and MXFP4 checkpoints refused by name."""
+eager attention), and MXFP4 checkpoints dequantized at load exactly as transformers does."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from asyncllm import LLM, SamplingParams
 from asyncllm.errors import ModelLoadError
 from asyncllm.kernels.torch_attention import windowed_attention
 from asyncllm.model.gpt_oss import GptOssForCausalLM
+from asyncllm.model.mxfp4 import FP4_VALUES, dequantize
+from asyncllm.model.quant_formats import checkpoint_format
 from checkpoints import random_prompts, reference_greedy
 from kernel_cases import DEVICE, paged_batch
 
@@ -178,15 +180,70 @@ def test_triton_kernel_sinks_equal_the_reference(window, dtype, split):
     assert not torch.allclose(plain, out.float(), atol=1e-2)
 
 
-# ---- refused checkpoints ----------------------------------------------------------------------------------
+# ---- MXFP4 checkpoints (as OpenAI publishes gpt-oss) -------------------------------------------------------
 
-def test_mxfp4_checkpoint_is_refused_by_name(model_dir_factory, tmp_path):
-    """What OpenAI publishes: experts in MXFP4 (``*_blocks``/``*_scales`` tensors) behind quant_method mxfp4."""
-    model_dir = shutil.copytree(model_dir_factory(KIND), tmp_path / "mxfp4")
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4",
-                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                "model.embed_tokens", "lm_head"]}
-    (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"MXFP4 \(config key quantization_config.quant_method 'mxfp4'\)"):
-        LLM(str(model_dir), dtype="float32")
+_FP4 = torch.tensor(FP4_VALUES)
+
+
+def _to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> MXFP4 blocks [E, N, K / 32, 16] and scales [E, N, K / 32]: per 32 values the smallest power
+    of two that brings them within FP4's +-6, each value then the nearest FP4 code (low nibble first)."""
+    e, n, k = weight.shape
+    groups = weight.reshape(e, n, k // 32, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - _FP4).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def _mxfp4_copy(model_dir, out):
+    """The float checkpoint with its stacked experts stored as transformers' MXFP4 checkpoints store them."""
+    from safetensors.torch import load_file, save_file
+
+    out = shutil.copytree(model_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _to_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())  # [E, K, N] -> rows N
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_dequantize_decodes_every_code_and_scale():
+    """Each byte holds two E2M1 codes, the low nibble first; a group's E8M0 scale is a power of two, bias 127."""
+    low, high = torch.arange(16, dtype=torch.uint8), torch.arange(15, -1, -1, dtype=torch.uint8)
+    blocks = (low | (high << 4)).view(1, 1, 16)  # one row of 32 values, one group
+    values = _FP4[torch.stack((low, high), dim=-1).flatten().long()]
+    assert torch.equal(dequantize(blocks, torch.tensor([[127 + 3]], dtype=torch.uint8))[0], values * 8)
+    assert torch.equal(dequantize(blocks, torch.tensor([[127 - 2]], dtype=torch.uint8))[0], values / 4)
+
+
+def test_mxfp4_checkpoint_equals_transformers_dequantized(model_dir_factory, tmp_path):
+    """The experts dequantized at load are exactly transformers' (Mxfp4Config(dequantize=True)), and so is the
+    greedy output; TP=1, the CPU backend."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    model_dir = _mxfp4_copy(model_dir_factory(KIND), tmp_path / "mxfp4")
+    theirs = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()
+    expected = reference_greedy(model_dir, prompts()[1:3], NEW_TOKENS, model=theirs)
+    with LLM(str(model_dir), dtype="float32", block_size=4) as llm:
+        assert llm.engine.runner.weight_format.checkpoint is None  # a float model once loaded
+        stack = llm.engine.runner.model.model.layers[1].mlp.experts
+        their_stack = theirs.model.layers[1].mlp.experts
+        assert torch.equal(stack.w13.data, torch.cat([their_stack.gate_up_proj[:, :, 0::2],
+                                                      their_stack.gate_up_proj[:, :, 1::2]], 2).transpose(1, 2))
+        assert torch.equal(stack.w2.data, their_stack.down_proj.transpose(1, 2))
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts()[1:3], GREEDY)]
+    assert got == expected
+
+
+def test_mxfp4_is_refused_by_name_where_the_family_does_not_dequantize_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ModelLoadError, match="quantization method 'mxfp4'"):
+        checkpoint_format(tmp_path)
+    assert checkpoint_format(tmp_path, GptOssForCausalLM.dequantized_formats) is None

@@ -213,6 +213,7 @@ class DecoderModel(nn.Module):
     gguf_permuted_qk: ClassVar[bool] = False  # llama.cpp's converter interleaves q/k rows (Llama's converter does)
     activations: ClassVar[dict[str, str]] = {"silu": "silu"}  # config hidden_act -> MLP activation
     supported_rope_types: ClassVar[tuple[str, ...]] = _ROPE_TYPES
+    dequantized_formats: ClassVar[tuple[str, ...]] = ()  # quantized formats it turns to float at load (gpt-oss: mxfp4)
     interleaved_rope: ClassVar[bool] = False
 
     def __init__(self, shape: DecoderShape, rotaries: list[RotaryEmbedding | None], backend, lora=None,

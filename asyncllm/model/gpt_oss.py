@@ -9,16 +9,17 @@ clamped-SwiGLU experts with biases in every layer.
   ``down_proj`` [E, I, H], each with a bias, and compute ``(clamp(up) + 1) * g * sigmoid(alpha * g)`` with
   ``g = min(gate, limit)`` (``swiglu_alpha``, ``swiglu_limit``; model/moe.py).
 
-The checkpoints OpenAI publishes store the experts in MXFP4; those are refused at load, naming the format
-(load a bf16 copy instead).
+The checkpoints OpenAI publishes store the experts in MXFP4 (``quantization_config.quant_method`` "mxfp4"):
+the expert stack dequantizes them as it loads them (model/mxfp4.py), exactly, into the model's dtype; the rest
+of such a checkpoint is bf16, and the engine runs it as a float checkpoint.
 """
 
 from __future__ import annotations
 
-from ..errors import ModelLoadError
 from .llama import LlamaForCausalLM
 from .mixtral import ATTENTION_LORA_TARGETS, MOE_FAST_PATHS
 from .moe import moe_shape
+from .mxfp4 import METHOD
 from .shape import DecoderShape
 
 
@@ -27,6 +28,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     lora_targets = ATTENTION_LORA_TARGETS
     renamed = {"router": "gate"}
     gguf_architectures = ()
+    dequantized_formats = (METHOD,)
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:
@@ -37,16 +39,3 @@ class GptOssForCausalLM(LlamaForCausalLM):
                               swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
                               swiglu_limit=float(getattr(config, "swiglu_limit", 7.0)))
         return shape
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        quantization = getattr(config, "quantization_config", None)
-        if quantization is not None:
-            method = (quantization.get("quant_method") if isinstance(quantization, dict)
-                      else getattr(quantization, "quant_method", None))
-            if str(method).lower() == "mxfp4":
-                raise ModelLoadError(
-                    f"{cls.__name__}: this checkpoint stores its experts in MXFP4 (config key "
-                    "quantization_config.quant_method 'mxfp4'), which asyncllm does not run; load a bf16 copy of "
-                    "the model (transformers dequantizes one with Mxfp4Config(dequantize=True) and save_pretrained)")
-        super().check_config(config)

@@ -31,6 +31,7 @@ from torch import nn
 from ..distributed.parallel import SINGLE, TensorParallel
 from ..errors import ModelLoadError
 from .mlp import MLP
+from .mxfp4 import PendingPairs, dequantize, is_mxfp4_tensor
 from .shape import DecoderShape, MoEShape
 
 
@@ -227,6 +228,7 @@ class ExpertStack(nn.Module):
         self.b13 = nn.Parameter(torch.empty(e, 2 * i)) if moe.expert_bias else None
         self.b2 = nn.Parameter(torch.empty(e, hidden)) if moe.expert_bias else None
         self.activation = expert_activation(moe)
+        self._mxfp4 = PendingPairs()  # an MXFP4 projection's blocks or scales, until its partner arrives
 
     # ---- loading (model/loader.py hands over every tensor under this module's name) ----
 
@@ -236,6 +238,8 @@ class ExpertStack(nn.Module):
 
     def load_checkpoint_tensor(self, path: str, rest: str, tensor: torch.Tensor, name: str) -> set[str]:
         """Place checkpoint tensor ``name`` (``rest``: its name below this module); the pieces it filled."""
+        if is_mxfp4_tensor(rest) and isinstance(tensor, torch.Tensor):  # gpt-oss as published (model/mxfp4.py)
+            return self._load_mxfp4(path, rest, tensor, name)
         kind = rest.rpartition(".")[2]
         if (not isinstance(tensor, torch.Tensor) or kind in _QUANTIZED_KINDS
                 or (tensor.is_floating_point() and tensor.element_size() == 1)):
@@ -270,6 +274,30 @@ class ExpertStack(nn.Module):
             for e in range(self.local_experts):
                 self._put(e, part, local[e], name)
             parts = (part,)
+        return {f"{path}.{e}.{p}" for e in range(self.moe.num_experts) for p in parts}
+
+    def _load_mxfp4(self, path: str, rest: str, tensor: torch.Tensor, name: str) -> set[str]:
+        """One of an MXFP4 projection's blocks/scales; once both are here, each local expert dequantized and
+        placed, one at a time (a whole stack in float is several times the checkpoint's bytes)."""
+        pair = self._mxfp4.add(rest, tensor, name)
+        if pair is None:
+            return set()
+        projection, blocks, scales = pair
+        if blocks.dim() != 4 or blocks.shape[0] != self.moe.num_experts:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(blocks.shape)}: expected MXFP4 blocks of "
+                                 f"{self.moe.num_experts} experts [E, N, K / 32, 16]")
+        for e in range(self.local_experts):
+            try:  # [N, K]: the projection's output rows, as per-expert checkpoints store them
+                weight = dequantize(blocks[self.first_expert + e], scales[self.first_expert + e], self.w13.dtype)
+            except ValueError as exc:
+                raise ModelLoadError(f"tensor {name!r}: {exc}") from exc
+            if projection == "gate_up_proj":
+                gate, up = (weight[0::2], weight[1::2]) if self.interleaved else weight.chunk(2)
+                self._put(e, "gate", gate, name)
+                self._put(e, "up", up, name)
+            else:
+                self._put(e, "down", weight, name)
+        parts = ("gate", "up") if projection == "gate_up_proj" else ("down",)
         return {f"{path}.{e}.{p}" for e in range(self.moe.num_experts) for p in parts}
 
     def _check_expert(self, expert: int, name: str) -> None:

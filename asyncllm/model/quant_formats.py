@@ -87,12 +87,16 @@ def read_quantization_config(root: Path) -> dict | None:
     return None
 
 
-def checkpoint_format(root: Path) -> QuantizedFormat | None:
-    """The checkpoint's format (None: float weights). ModelLoadError for a method not run here."""
+def checkpoint_format(root: Path, dequantized: tuple[str, ...] = ()) -> QuantizedFormat | None:
+    """The checkpoint's format (None: float weights). ModelLoadError for a method not run here.
+    ``dequantized``: methods the model's family turns into float weights as it loads them (gpt-oss: mxfp4),
+    which the rest of the engine then sees as a float checkpoint."""
     config = read_quantization_config(root)
     if config is None:
         return None
     method = str(config.get("quant_method", "")).lower().replace("_", "-")
+    if method in dequantized:
+        return None
     if method == "gptq":
         return _gptq(config)
     if method == "awq":

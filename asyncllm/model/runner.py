@@ -125,7 +125,8 @@ class ModelRunner:
             model = self.model_class(self.local_shape, rotaries, self.backend, self.lora, self.tp,
                                      self.shape).to(self.dtype)
         self.model = model.to_empty(device=self.device).eval()
-        stored = None if source.is_gguf else checkpoint_format(source.root)  # GPTQ, AWQ, FP8...
+        stored = (None if source.is_gguf  # GPTQ, AWQ, FP8... (gpt-oss's MXFP4 experts: float once loaded)
+                  else checkpoint_format(source.root, self.model_class.dequantized_formats))
         check_requested(config.quantization, stored)
         stored = requested_format(config.quantization, stored)
         if stored is not None:

@@ -11,7 +11,9 @@ Each timed call finds the weights in memory, not in cache (as in a model, where 
 pass through the caches in between): before it, a buffer larger than the L3 is read. Each figure is the
 best of ``--repeats`` calls (the cores are shared with others, so the best is the least disturbed), in ms
 per layer, with the effective bandwidth: the bytes of the experts the step activates (each read once) over
-that time. Nothing is written unless ``--json`` is given.
+that time. ``floor ms`` is the memory-bound floor measured the same way: reading that many bytes from one
+contiguous tensor (``torch.sum``, all threads), out of cache; ``x floor`` is the kernel's time over it.
+Nothing is written unless ``--json`` is given.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def bench(shapes, tokens_list, repeats: int, flush_bytes: int) -> list[dict]:
     results = []
     gen = torch.Generator().manual_seed(0)
     flush = torch.ones(flush_bytes // 4)
+    stream = torch.ones(max(3 * hidden * inter * experts for _, experts, hidden, inter, _ in shapes) // 4)
     for name, experts, hidden, inter, top_k in shapes:
         moe = MoEShape(num_experts=experts, top_k=top_k, intermediate_size=inter)
         act = expert_activation(moe)
@@ -66,9 +69,11 @@ def bench(shapes, tokens_list, repeats: int, flush_bytes: int) -> list[dict]:
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
                 torch_ms = _best_ms(lambda: grouped_experts(x, weights, ids, w13, w2, act), repeats, flush)
                 kernel_ms = _best_ms(lambda: moe_experts_cpu(x, weights, ids, w13, w2, SILU), repeats, flush)
+                floor_ms = _best_ms(lambda: stream[:active * expert_bytes // 4].sum(), repeats, flush)
             row = {"shape": name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
                    "tokens": tokens, "active_experts": active, "torch_ms": torch_ms,
-                   "kernel_ms": kernel_ms, "speedup": torch_ms / kernel_ms,
+                   "kernel_ms": kernel_ms, "floor_ms": floor_ms, "speedup": torch_ms / kernel_ms,
+                   "kernel_over_floor": kernel_ms / floor_ms,
                    "torch_gbps": active * expert_bytes / torch_ms / 1e6,
                    "kernel_gbps": active * expert_bytes / kernel_ms / 1e6}
             results.append(row)
@@ -78,12 +83,13 @@ def bench(shapes, tokens_list, repeats: int, flush_bytes: int) -> list[dict]:
 
 def _header() -> str:
     return (f"{'shape':>15s} {'T':>4s} {'active':>6s} {'torch ms':>9s} {'GB/s':>6s} {'kernel ms':>10s} {'GB/s':>6s}"
-            f" {'speedup':>8s}")
+            f" {'speedup':>8s} {'floor ms':>9s} {'x floor':>8s}")
 
 
 def _format_row(row: dict) -> str:
     return (f"{row['shape']:>15s} {row['tokens']:4d} {row['active_experts']:6d} {row['torch_ms']:9.3f} "
-            f"{row['torch_gbps']:6.1f} {row['kernel_ms']:10.3f} {row['kernel_gbps']:6.1f} {row['speedup']:7.1f}x")
+            f"{row['torch_gbps']:6.1f} {row['kernel_ms']:10.3f} {row['kernel_gbps']:6.1f} {row['speedup']:7.1f}x"
+            f" {row['floor_ms']:9.3f} {row['kernel_over_floor']:7.2f}x")
 
 
 def main(argv: list[str] | None = None) -> dict:

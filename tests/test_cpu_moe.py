@@ -217,3 +217,22 @@ def test_qwen3_moe_with_the_kernel_equals_transformers(model_dir_factory, monkey
         assert got == expected, engine_kwargs
         assert calls and all(calls)  # every sparse layer of every step went through the kernel
         assert llm.stats()["kv_blocks_used"] == 0
+
+
+@needs_c_kernel
+def test_microbenchmark_runs(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])  # benchmarks/ lives at the repository root
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import moe_experts
+
+    out = tmp_path / "moe.json"
+    report = moe_experts.main(["--tiny", "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [r["tokens"] for r in report["results"]] == [1, 8]
+    for r in report["results"]:
+        assert r["torch_ms"] > 0 and r["kernel_ms"] > 0 and r["speedup"] == pytest.approx(r["torch_ms"] / r["kernel_ms"])

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import random
+import resource
 import signal
 import socket
 import statistics
@@ -166,8 +167,26 @@ def server_command(engine: str, model_dir: str, port: int, args: argparse.Namesp
     cmd = [str(vllm_env.venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", "model", "--generation-config", "vllm", "--seed", "0", *common]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_bytes[dtype] // 2**30),
-           "VLLM_CPU_OMP_THREADS_BIND": cpu_list(usable_cores())}
+           "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind}
     return cmd, env
+
+
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of session ``sid`` (a server and the
+    processes it started: vLLM's API server, engine core and worker)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # fields after the name: state ppid pgrp session ... utime(11) stime(12)
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
 
 
 class Server:
@@ -201,6 +220,9 @@ class Server:
                 except httpx.TransportError:
                     pass
                 time.sleep(POLL_S)
+
+    def cpu_s(self) -> float:
+        return session_cpu_s(self.proc.pid) if self.proc is not None else 0.0
 
     def log_tail(self, lines: int = 8) -> str:
         try:
@@ -255,8 +277,10 @@ async def stream_completion(client: httpx.AsyncClient, prompt: list[int], gen_le
     return {"start": start, "times": times, "usage": usage}
 
 
-async def run_level(base: str, prompts: list[list[int]], concurrency: int, gen_len: int) -> dict[str, Any]:
-    """``concurrency`` closed-loop streams over ``prompts``; the raw figures of one run."""
+async def run_level(base: str, prompts: list[list[int]], concurrency: int, gen_len: int,
+                    cpu_probe=None) -> dict[str, Any]:
+    """``concurrency`` closed-loop streams over ``prompts``; the raw figures of one run. ``cpu_probe()``: the
+    server's CPU seconds so far (its share of a shared machine's cores, the figure the load distorts least)."""
     queue = list(enumerate(prompts))
     results: list[Any] = [None] * len(prompts)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -267,14 +291,17 @@ async def run_level(base: str, prompts: list[list[int]], concurrency: int, gen_l
                 index, prompt = queue.pop(0)
                 results[index] = await stream_completion(client, prompt, gen_len)
 
+        cpu0, client0 = (cpu_probe() if cpu_probe else 0.0), time.process_time()
         t0 = time.perf_counter()
         await asyncio.gather(*(stream() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        server_cpu = (cpu_probe() - cpu0) if cpu_probe else None
+        client_cpu = time.process_time() - client0
     last = max((r["times"][-1] for r in results if r["times"]), default=t0)
     tokens = sum(len(r["times"]) for r in results)
     usage_tokens = sum(r["usage"] or 0 for r in results)
     return {"requests": len(results), "generated_tokens": tokens, "usage_tokens": usage_tokens,
-            "wall_s": last - t0, "client_wall_s": wall,
+            "wall_s": last - t0, "client_wall_s": wall, "server_cpu_s": server_cpu, "client_cpu_s": client_cpu,
             "wrong_lengths": sum(1 for r in results if len(r["times"]) != gen_len or (r["usage"] or gen_len) != gen_len),
             "ttfts": [r["times"][0] - r["start"] for r in results if r["times"]],
             "gaps": [b - a for r in results for a, b in zip(r["times"], r["times"][1:])],
@@ -293,7 +320,18 @@ def pool_level(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "wall_s_runs": [round(r["wall_s"], 3) for r in runs],
             "ttft_ms": {**summarize_ms(ttfts), "max": round(1000 * max(ttfts), 3) if ttfts else None},
             "itl_ms": summarize_ms(gaps),
+            "server_cpu_s_runs": [round(r["server_cpu_s"], 2) for r in runs if r.get("server_cpu_s") is not None],
+            "server_cpu_ms_per_token": _per_token(runs, "server_cpu_s"),
+            "client_cpu_ms_per_token": _per_token(runs, "client_cpu_s"),
             "loadavg_after_runs": [r["loadavg"] for r in runs]}
+
+
+def _per_token(runs: list[dict[str, Any]], key: str) -> float | None:
+    cpu = [r.get(key) for r in runs]
+    tokens = sum(r["generated_tokens"] for r in runs)
+    if any(c is None for c in cpu) or not tokens:
+        return None
+    return round(1000 * sum(cpu) / tokens, 3)
 
 
 async def greedy_texts(base: str, max_tokens: int) -> list[str]:
@@ -325,10 +363,11 @@ def serve_engine(engine: str, entry: dict[str, Any], model_dir: str, args: argpa
         entry["warmup_s_runs"].append(round(time.perf_counter() - t0, 3))
         for c in args.concurrency:
             prompts = make_prompts(level_requests(c), args.prompt_len, vocab, level_seed(c, round_index))
-            raw = asyncio.run(run_level(server.base, prompts, c, args.gen_len))
+            raw = asyncio.run(run_level(server.base, prompts, c, args.gen_len, server.cpu_s))
             entry["raw"].setdefault(str(c), []).append(raw)
             log(f"{engine}: c={c}: {raw['generated_tokens'] / raw['wall_s']:.1f} tok/s, TTFT p99 "
-                f"{1000 * percentile(raw['ttfts'], 99):.0f} ms, load {raw['loadavg']}")
+                f"{1000 * percentile(raw['ttfts'], 99):.0f} ms, server CPU "
+                f"{1000 * raw['server_cpu_s'] / max(1, raw['generated_tokens']):.1f} ms/token, load {raw['loadavg']}")
         if round_index == 0 and args.greedy_tokens > 0:
             entry["greedy_texts"] = asyncio.run(greedy_texts(server.base, args.greedy_tokens))
     finally:
@@ -357,14 +396,16 @@ def run_offline(engine: str, model_dir: str, args: argparse.Namespace, vocab: in
             env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         else:
             env.update(VLLM_CPU_KVCACHE_SPACE=str(args.kv_bytes_offline[dtype] // 2**30),
-                       VLLM_CPU_OMP_THREADS_BIND=cpu_list(usable_cores()))
+                       VLLM_CPU_OMP_THREADS_BIND=args.vllm_omp_bind)
             env.pop("VIRTUAL_ENV", None)
         log_path = args.work_dir / "logs" / f"{engine}-offline.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log(f"{engine}: offline {len(prompts)} x {args.gen_len}")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         with open(log_path, "w") as out:
             rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
-                                 timeout=args.startup_timeout + 1800)
+                                 timeout=args.startup_timeout + 1800, start_new_session=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if rc != 0 or not out_file.is_file():
             tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-6:])
             raise RuntimeError(f"offline run exited with {rc}: {tail}")
@@ -374,6 +415,8 @@ def run_offline(engine: str, model_dir: str, args: argparse.Namespace, vocab: in
     result["first_output_ids"] = outputs[0][:16]
     result["command"] = cmd
     result["loadavg_after"] = loadavg()
+    # the whole process (load, warm-up, compile, timed run): CPU seconds of it and the processes it waited for
+    result["process_cpu_s"] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2)
     result["_outputs"] = outputs
     log(f"{engine}: offline {result['tokens_per_s']:.1f} tok/s (load {result['loadavg_after']})")
     return result
@@ -476,6 +519,13 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{name:14} {start if start is not None else float('nan'):7.1f} " + " ".join(cells)
               + f" {off if off else float('nan'):8.1f}"
               + (f"  ({e['status']}: {e.get('error')})" if e["status"] != "ok" else ""))
+    print("server CPU ms per generated token (user + system, all its processes; the load distorts it least):")
+    for name, e in report["engines"].items():
+        if e["levels"]:
+            cells = [f"c={c} {e['levels'][str(c)]['server_cpu_ms_per_token']}" for c in s["concurrency"]
+                     if str(c) in e["levels"]]
+            off = (e.get("offline") or {}).get("cpu_ms_per_token")
+            print(f"  {name:14} " + ", ".join(cells) + (f", offline {off}" if off is not None else ""))
     g = report["greedy_check"]
     if g["identical"]:
         print("greedy texts identical to " + g["reference"] + ": "
@@ -521,6 +571,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="logs (and --tiny's model) go here")
     p.add_argument("--vllm-venv", default=None, help=f"vLLM-CPU venv (default ${vllm_env.VENV_ENV} or "
                                                      f"{vllm_env.DEFAULT_VENV})")
+    p.add_argument("--vllm-omp-bind", default=None,
+                   help="VLLM_CPU_OMP_THREADS_BIND: the cores vLLM's OpenMP threads are bound to, one thread each "
+                        "(default: every usable core, e.g. 0-1; 'nobind' leaves placement to the OS)")
     p.add_argument("--install-vllm", action="store_true", help="make the vLLM-CPU venv first when it is missing")
     p.add_argument("--tiny", action="store_true", help="a toy Llama and a few short requests (tests)")
     p.add_argument("--json", default=None, help=f"report path (default {DEFAULT_JSON.relative_to(ROOT)}; "
@@ -537,6 +590,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.engines = names
     if args.repeats < 1 or args.prompt_len < 1 or args.gen_len < 1:
         p.error("--repeats, --prompt-len and --gen-len must be >= 1")
+    if args.vllm_omp_bind is None:
+        args.vllm_omp_bind = cpu_list(usable_cores())
     if args.json is None and not args.tiny:
         args.json = str(DEFAULT_JSON)
     return args
@@ -600,6 +655,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 entry.update(status="error" if not entry["raw"] else "partial", error=f"{type(e).__name__}: {e}")
                 log(f"{engine}: FAILED: {entry['error']}")
                 traceback.print_exc()
+            save_partial(args, results)
     if not args.skip_offline:
         for engine in runnable:
             try:
@@ -607,6 +663,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001
                 results[engine]["offline_error"] = f"{type(e).__name__}: {e}"
                 log(f"{engine}: offline FAILED: {e}")
+            save_partial(args, results)
     for entry in results.values():
         raw = entry.pop("raw")
         entry["levels"] = {c: pool_level(runs) for c, runs in raw.items()}
@@ -621,7 +678,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "offline_prompts": 0 if args.skip_offline else args.offline_prompts,
                      "requests_per_level": {str(c): level_requests(c) for c in args.concurrency},
                      "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-                     "kv_cache_bytes": args.kv_bytes, "cores": cpu_list(usable_cores()), "tiny": args.tiny},
+                     "kv_cache_bytes": args.kv_bytes, "cores": cpu_list(usable_cores()), "vllm_omp_bind": args.vllm_omp_bind,
+                     "tiny": args.tiny},
         "vllm": {"venv": str(venv) if venv else None, "skipped": why_not,
                  "versions": _vllm_versions(venv)},
         "engines": results,
@@ -636,7 +694,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["machine"] = machine_record(load_start)
     print_table(report)
     write_report(args.json, report)
+    if args.json:
+        Path(str(args.json) + ".partial").unlink(missing_ok=True)
     return report
+
+
+def save_partial(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    """The figures so far beside the report (``<json>.partial``), so that a run cut short keeps them."""
+    if not args.json:
+        return
+    snapshot = {name: {k: v for k, v in e.items() if k != "offline"} | (
+        {"offline": {k: v for k, v in e["offline"].items() if k != "_outputs"}} if e.get("offline") else {})
+        for name, e in results.items()}
+    write_report(str(args.json) + ".partial", {"benchmark": BENCHMARK, "partial": True, "engines": snapshot,
+                                               "loadavg": loadavg()})
 
 
 def _vllm_versions(venv: Path | None) -> str | None:

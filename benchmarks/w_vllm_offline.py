@@ -15,8 +15,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+
+def session_cpu_s() -> float:
+    """CPU seconds used so far by the live processes of this process's session (vLLM's engine core too)."""
+    sid, tick, total = os.getsid(0), os.sysconf("SC_CLK_TCK"), 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid:
+                total += int(fields[11]) + int(fields[12])
+    return total / tick
 
 
 def _asyncllm(args, prompts, warm):
@@ -72,15 +88,18 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         generate(warm, min(4, args.gen_len))
         warmup_s = time.perf_counter() - t0
+        cpu0 = session_cpu_s()
         t0 = time.perf_counter()
         outputs = generate(prompts, args.gen_len)
         wall = time.perf_counter() - t0
+        cpu = session_cpu_s() - cpu0
     finally:
         close()
     tokens = sum(len(o) for o in outputs)
     result = {"engine": args.engine, "dtype": args.dtype, "prompts": len(prompts), "gen_len": args.gen_len,
               "load_s": round(load_s, 3), "warmup_s": round(warmup_s, 3), "wall_s": round(wall, 4),
               "generated_tokens": tokens, "tokens_per_s": tokens / wall,
+              "cpu_s": round(cpu, 3), "cpu_ms_per_token": round(1000 * cpu / max(1, tokens), 3),
               "wrong_lengths": sum(1 for o in outputs if len(o) != args.gen_len), "outputs": outputs}
     with open(args.out, "w") as f:
         json.dump(result, f)

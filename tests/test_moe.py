@@ -191,17 +191,22 @@ def test_lora_on_experts_is_refused_by_name(model_dir_factory, tmp_path):
         llm.add_lora("experts", str(adapter))
 
 
+def _config_and_tokenizer_copy(source, target):
+    """``target``: a new directory holding every file of checkpoint ``source`` but its weights."""
+    target.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (target / f.name).write_bytes(f.read_bytes())
+    return target
+
+
 def test_stacked_expert_tensors_load_like_per_expert_ones(model_dir_factory, tmp_path):
     """The same Mixtral weights saved stacked ([E, H, 2I] gate_up_proj, [E, I, H] down_proj, as Llama 4 and
     gpt-oss checkpoints store experts) give the same tokens; a wrong stack is refused naming the tensor."""
     from safetensors.torch import load_file, save_file
 
     source = model_dir_factory("mixtral")
-    target = tmp_path / "stacked"
-    target.mkdir()
-    for f in source.iterdir():
-        if f.suffix != ".safetensors":
-            (target / f.name).write_bytes(f.read_bytes())
+    target = _config_and_tokenizer_copy(source, tmp_path / "stacked")
     tensors = load_file(source / "model.safetensors")
     out = {k: v for k, v in tensors.items() if ".experts." not in k}
     for layer in range(2):
@@ -225,11 +230,7 @@ def test_a_missing_expert_is_named(model_dir_factory, tmp_path):
     from safetensors.torch import load_file, save_file
 
     source = model_dir_factory("qwen3_moe")
-    target = tmp_path / "missing"
-    target.mkdir()
-    for f in source.iterdir():
-        if f.suffix != ".safetensors":
-            (target / f.name).write_bytes(f.read_bytes())
+    target = _config_and_tokenizer_copy(source, tmp_path / "missing")
     tensors = load_file(source / "model.safetensors")
     del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
     save_file(tensors, target / "model.safetensors")
@@ -261,11 +262,7 @@ def test_quantized_experts_are_refused_by_name(model_dir_factory, tmp_path):
     source = model_dir_factory("mixtral")
     for label, change in [("fp8", lambda t, k: {k: t[k].to(torch.float8_e4m3fn)}),
                           ("gptq", lambda t, k: {k.replace(".weight", ".qweight"): t[k].to(torch.int32)})]:
-        target = tmp_path / label
-        target.mkdir()
-        for f in source.iterdir():
-            if f.suffix != ".safetensors":
-                (target / f.name).write_bytes(f.read_bytes())
+        target = _config_and_tokenizer_copy(source, tmp_path / label)
         tensors = load_file(source / "model.safetensors")
         key = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
         replacement = change(tensors, key)

@@ -1,7 +1,7 @@
 """Micro-benchmark of the routed experts of one mixture-of-experts layer on CPU: the torch grouped path
 (``model.moe.grouped_experts``) against the C kernel (``kernels/cpu_moe.py``).
 
-    python -m benchmarks.moe_experts [--repeats 10] [--tokens 1,8,32,128] [--json out.json] [--tiny]
+    python -m benchmarks.moe_experts [--repeats 10] [--tokens 1,8,32,128] [--threads N] [--json out.json] [--tiny]
 
 Shapes: a Qwen3-MoE-like layer (E=64 experts, H=512, I=128, top-8) and a small Mixtral-like one (E=8,
 H=1024, I=2816, top-2). Per step of T tokens the routing is random (softmax top-k of random logits); both
@@ -50,7 +50,7 @@ def bench(shapes, tokens_list, repeats: int, flush_bytes: int) -> list[dict]:
     results = []
     gen = torch.Generator().manual_seed(0)
     flush = torch.ones(flush_bytes // 4)
-    stream = torch.ones(max(3 * hidden * inter * experts for _, experts, hidden, inter, _ in shapes) // 4)
+    stream = torch.ones(max(3 * hidden * inter * experts for _, experts, hidden, inter, _ in shapes))  # a layer's floats
     for name, experts, hidden, inter, top_k in shapes:
         moe = MoEShape(num_experts=experts, top_k=top_k, intermediate_size=inter)
         act = expert_activation(moe)
@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", help="comma-separated step sizes (default 1,8,32,128)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--tiny", action="store_true", help="small shapes, few repeats (tests)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads first (both paths use torch's count)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shapes, tokens, flush = SHAPES, TOKENS, FLUSH_BYTES
     if args.tiny:
         shapes, tokens, flush, args.repeats = [("tiny", 8, 64, 32, 2)], [1, 8], 1 << 20, min(args.repeats, 2)

@@ -9,11 +9,11 @@
  *
  * - the (token, expert) pairs counting-sorted by expert, tokens ascending within an expert (the order of
  *   grouped_experts' stable argsort);
- * - phase 1: per active expert and block of RB gate rows (with the matching up rows), the dot products of
+ * - phase 1: per active expert and block of 16 or 32 gate rows (with the matching up rows), the dot products of
  *   those weight rows with every one of the expert's tokens, then the gated activation, into a pair buffer
  *   [P, 2I] (gate half overwritten by the activation). Work items (expert, row block) are shared out
  *   dynamically over the OpenMP threads, so each weight row is read from memory once per step;
- * - phase 2: out[token, n] += w * (h . w2[e, n] + b2[e, n]); a work item is a range of DOWN_COLS output
+ * - phase 2: out[token, n] += w * (h . w2[e, n] + b2[e, n]); a work item is a range of 16-256 output
  *   columns (no two threads write one element, no atomics) over every expert in ascending order, so a
  *   token's sum runs expert by expert as transformers' loop and grouped_experts' index_add_ do.
  *
@@ -66,9 +66,16 @@ typedef float vf;
 #define vfma(a, b, c) ((a) * (b) + (c))
 #endif
 
-#define RB 16   /* gate rows (and as many up rows) per phase-1 work item */
+#ifndef MOE_PREFETCH
+#define MOE_PREFETCH 1 /* software prefetch of the next tile's rows */
+#endif
+/* Work items are as large as the thread count allows (up to 32 gate rows, 256 output columns): each is a
+ * few contiguous runs of weight memory, and every run's start costs the prefetchers a ramp-up (measured
+ * ~10% at one token against 16 rows / 64 columns). */
+#define RB_MIN 16 /* gate rows (and as many up rows) per phase-1 work item: 16, or 32 where I allows */
+#define RB_MAX 32
 #define CMAX 4  /* tokens per tile in an expert's full chunks */
-#define DOWN_COLS 64 /* output columns per phase-2 work item (a multiple of 16) */
+#define DOWN_COLS_MAX 256 /* output columns per phase-2 work item: a multiple of 16, about H / (2 threads) */
 #define PAIR_BUFFER_BYTES ((int64_t)32 << 20) /* the pair buffer's cap: longer steps go in blocks of tokens */
 #define MIN_BLOCK_TOKENS 16
 #define MOE_SILU 0
@@ -135,7 +142,7 @@ static inline __attribute__((always_inline)) void tile_dots(const int R, const i
             for (int c = 0; c < C; c++) acc[c * R + r] = vfma(w, xv[c], acc[c * R + r]);
         }
 #if VL > 1
-        if (next && (k * 4) % 64 == 0) {
+        if (MOE_PREFETCH && next && (k * 4) % 64 == 0) {
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) __builtin_prefetch(next[r] + k, 0, 1);
         }
@@ -151,6 +158,7 @@ typedef struct {
     int activation;
     float alpha, limit;
     int weights_on_input;
+    int64_t rb; /* gate rows per phase-1 work item */
     float *out;
     /* the sorted pairs: local expert e's are offsets[e] .. offsets[e + 1] */
     const int64_t *offsets;
@@ -159,14 +167,14 @@ typedef struct {
     float *buf; /* [P, 2I]: gate | up sums, then the activation in the gate half */
 } Step;
 
-/* Phase-1 tiles of Rg gate rows + Rg up rows x C tokens over gate rows j0 .. j0 + RB, pairs pa .. pb (a
+/* Phase-1 tiles of Rg gate rows + Rg up rows x C tokens over gate rows j0 .. j0 + rb, pairs pa .. pb (a
  * multiple of C apart): the raw dot products (times the routing weight with weights_on_input) into buf. */
 static inline __attribute__((always_inline)) void gate_up_tiles(const int Rg, const int C, const Step *s,
                                                                 const float *W, int64_t j0, int64_t pa,
                                                                 int64_t pb) {
     const int64_t H = s->H, I = s->I;
     float res[NACC];
-    for (int64_t j = j0; j < j0 + RB; j += Rg) {
+    for (int64_t j = j0; j < j0 + s->rb; j += Rg) {
         const float *rows[NACC], *next[NACC];
         for (int r = 0; r < Rg; r++) {
             rows[r] = W + (j + r) * H;
@@ -191,7 +199,7 @@ static inline __attribute__((always_inline)) void gate_up_tiles(const int Rg, co
     }
 }
 
-/* Phase-1 work item: expert e's gate/up rows j0 .. j0 + RB for all its tokens, then the activation. */
+/* Phase-1 work item: expert e's gate/up rows j0 .. j0 + rb for all its tokens, then the activation. */
 __attribute__((noinline)) static void gate_up_item(const Step *s, int64_t e, int64_t j0) {
     const int64_t H = s->H, I = s->I, pa = s->offsets[e], n = s->offsets[e + 1] - pa;
     const float *W = s->w13 + e * 2 * I * H;
@@ -205,22 +213,24 @@ __attribute__((noinline)) static void gate_up_item(const Step *s, int64_t e, int
     }
     const float *bias = s->b13 ? s->b13 + e * 2 * I : NULL;
     for (int64_t p = pa; p < pa + n; p++) {
-        float *g = s->buf + p * 2 * I + j0, *u = g + I;
-        float gate[RB], up[RB];
-        for (int j = 0; j < RB; j++) {
-            gate[j] = bias ? g[j] + bias[j0 + j] : g[j];
-            up[j] = bias ? u[j] + bias[I + j0 + j] : u[j];
-        }
-        if (s->activation == MOE_SILU) {
+        for (int64_t j1 = j0; j1 < j0 + s->rb; j1 += RB_MIN) {
+            float *g = s->buf + p * 2 * I + j1, *u = g + I;
+            float gate[RB_MIN], up[RB_MIN];
+            for (int j = 0; j < RB_MIN; j++) {
+                gate[j] = bias ? g[j] + bias[j1 + j] : g[j];
+                up[j] = bias ? u[j] + bias[I + j1 + j] : u[j];
+            }
+            if (s->activation == MOE_SILU) {
 #pragma omp simd
-            for (int j = 0; j < RB; j++) g[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
-        } else { /* gpt-oss: gate clamped above, up both ways, (up + 1) * gate * sigmoid(alpha * gate) */
-            const float alpha = s->alpha, limit = s->limit;
+                for (int j = 0; j < RB_MIN; j++) g[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+            } else { /* gpt-oss: gate clamped above, up both ways, (up + 1) * gate * sigmoid(alpha * gate) */
+                const float alpha = s->alpha, limit = s->limit;
 #pragma omp simd
-            for (int j = 0; j < RB; j++) {
-                const float a = gate[j] < limit ? gate[j] : limit;
-                const float b = up[j] < -limit ? -limit : (up[j] > limit ? limit : up[j]);
-                g[j] = (b + 1.0f) * (a * (1.0f / (1.0f + expf(-(a * alpha)))));
+                for (int j = 0; j < RB_MIN; j++) {
+                    const float a = gate[j] < limit ? gate[j] : limit;
+                    const float b = up[j] < -limit ? -limit : (up[j] > limit ? limit : up[j]);
+                    g[j] = (b + 1.0f) * (a * (1.0f / (1.0f + expf(-(a * alpha)))));
+                }
             }
         }
     }
@@ -322,23 +332,27 @@ static int moe_block(const float *x, int64_t T, int64_t H, int64_t x_stride, con
     for (int64_t e = E; e > 0; e--) offsets[e] = offsets[e - 1];
     offsets[0] = 0;
 
-    Step s = {x, x_stride, H, I, w13, w2, b13, b2, activation, alpha, limit, weights_on_input, out,
-              offsets, tok, pw, (float *)(mem + head)};
-    const int64_t blocks = I / RB, items = n_active * blocks;
-    /* phase 2 in column chunks of DOWN_COLS, more than threads, taken dynamically: a thread the OS
-     * preempts (the cores are often shared) delays a chunk, not a fixed half of the work */
-    const int64_t chunks = (H + DOWN_COLS - 1) / DOWN_COLS;
     int threads = num_threads > 0 ? num_threads : 1;
+    /* 32 gate rows per item where I allows and that still leaves two items per thread */
+    const int64_t rb = I % RB_MAX == 0 && n_active * (I / RB_MAX) >= 2 * (int64_t)threads ? RB_MAX : RB_MIN;
+    Step s = {x, x_stride, H, I, w13, w2, b13, b2, activation, alpha, limit, weights_on_input, rb, out,
+              offsets, tok, pw, (float *)(mem + head)};
+    const int64_t blocks = I / rb, items = n_active * blocks;
+    /* phase 2 in column chunks of about H / (2 threads), taken dynamically: a thread the OS preempts (the
+     * cores are often shared) delays a chunk, not a fixed share of the work */
+    int64_t cols = (H / (2 * (int64_t)threads) + 15) / 16 * 16;
+    cols = cols < 16 ? 16 : (cols > DOWN_COLS_MAX ? DOWN_COLS_MAX : cols);
+    const int64_t chunks = (H + cols - 1) / cols;
     if (threads > items + chunks) threads = (int)(items + chunks);
 
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) gate_up_item(&s, active[it / blocks], (it % blocks) * RB);
+        for (int64_t it = 0; it < items; it++) gate_up_item(&s, active[it / blocks], (it % blocks) * rb);
         /* the implicit barrier: every h row is done before phase 2 reads it */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < chunks; c++) {
-            const int64_t c0 = c * DOWN_COLS, c1 = c0 + DOWN_COLS < H ? c0 + DOWN_COLS : H;
+            const int64_t c0 = c * cols, c1 = c0 + cols < H ? c0 + cols : H;
             if (!accumulate)
                 for (int64_t t = 0; t < T; t++) memset(out + t * H + c0, 0, (size_t)(c1 - c0) * sizeof(float));
             if (P) down_columns(&s, E, c0, c1);

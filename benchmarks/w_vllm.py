@@ -40,6 +40,7 @@ import math
 import os
 import random
 import resource
+import shlex
 import signal
 import socket
 import statistics
@@ -161,11 +162,13 @@ def server_command(engine: str, model_dir: str, port: int, args: argparse.Namesp
               str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
     if kind == "asyncllm":
         cmd = [sys.executable, "-m", "asyncllm.cli", "serve", model_dir, "--model-name", "model", "--device", "cpu",
-               "--generation-config", "none", "--kv-cache-memory", str(args.kv_bytes[dtype]), *common]
+               "--generation-config", "none", "--kv-cache-memory", str(args.kv_bytes[dtype]), *common,
+               *shlex.split(args.asyncllm_args)]
         return cmd, {}
     assert venv is not None
     cmd = [str(vllm_env.venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", "model", "--generation-config", "vllm", "--seed", "0", *common]
+           "--served-model-name", "model", "--generation-config", "vllm", "--seed", "0", *common,
+           *shlex.split(args.vllm_args)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_bytes[dtype] // 2**30),
            "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind}
     return cmd, env
@@ -370,8 +373,84 @@ def serve_engine(engine: str, entry: dict[str, Any], model_dir: str, args: argpa
                 f"{1000 * raw['server_cpu_s'] / max(1, raw['generated_tokens']):.1f} ms/token, load {raw['loadavg']}")
         if round_index == 0 and args.greedy_tokens > 0:
             entry["greedy_texts"] = asyncio.run(greedy_texts(server.base, args.greedy_tokens))
+        if round_index == 0 and args.guidellm_concurrency:
+            try:
+                entry["guidellm"] = run_guidellm(guidellm_exe(args), server.base, model_dir, args, engine)
+            except Skipped as e:
+                entry["guidellm"] = {"status": "skipped", "reason": str(e)}
+            except Exception as e:  # noqa: BLE001 - the engine's own figures stand
+                entry["guidellm"] = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+                log(f"{engine}: guidellm FAILED: {e}")
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# guidellm: a second, independent client
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def guidellm_exe(args: argparse.Namespace) -> Path:
+    exe = Path(args.guidellm_venv).expanduser() / "bin" / "guidellm"
+    if not exe.is_file():
+        raise Skipped(f"guidellm not installed at {exe} (python -m venv DIR && DIR/bin/pip install guidellm)")
+    return exe
+
+
+def run_guidellm(exe: Path, base: str, model_dir: str, args: argparse.Namespace, engine: str) -> dict[str, Any]:
+    """guidellm's ``concurrent`` profile at ``--guidellm-concurrency`` streams against the running server:
+    its synthetic prompts of ``--prompt-len`` tokens, ``--gen-len`` output tokens (it sends ``ignore_eos``),
+    streaming ``/v1/completions``; its own figures."""
+    c = args.guidellm_concurrency
+    out = args.work_dir / "guidellm" / f"{engine}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    scenario = {"metadata": {"name": f"w-vllm-{engine}", "description": "W-VLLM's level, guidellm's client"},
+                "spec": {
+        "backend": {"kind": "openai_http", "target": base, "model": "model", "request_format": "/v1/completions"},
+        "profile": {"kind": "concurrent", "streams": [c]},
+        "constraints": [{"kind": "max_requests", "count": level_requests(c)}],
+        "tokenizer": {"kind": "huggingface_auto", "model": model_dir},
+        "data": [{"kind": "synthetic_text", "prompt_tokens": args.prompt_len, "output_tokens": args.gen_len}],
+        "outputs": [{"kind": "json", "path": str(out)}],
+    }}
+    config = out.with_suffix(".scenario.json")
+    config.write_text(json.dumps(scenario, indent=1))
+    cmd = [str(exe), "run", "--config", str(config), "--disable-console-interactive"]
+    log_path = args.work_dir / "logs" / f"{engine}-guidellm.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"{engine}: guidellm at {c} streams")
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    with open(log_path, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
+    if rc != 0 or not out.is_file():
+        tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-5:])
+        raise RuntimeError(f"guidellm exited with {rc}: {tail}")
+    return {"concurrency": c, "requests": level_requests(c), "command": cmd, "scenario": scenario,
+            **guidellm_figures(json.loads(out.read_text()))}
+
+
+def guidellm_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """From guidellm's JSON report (its first benchmark): output tokens/s = its successful requests' output tokens
+    / its measured duration (as this client's figure), and its TTFT and ITL distributions (ms)."""
+    bench = (report.get("benchmarks") or [{}])[0]
+    metrics = bench.get("metrics") or {}
+
+    def stat(m: Any) -> dict[str, Any] | None:
+        m = (m or {}).get("successful") if isinstance(m, dict) else None
+        if not isinstance(m, dict):
+            return None
+        pct = m.get("percentiles") or {}
+        return {"mean": m.get("mean"), "p50": pct.get("p50", m.get("median")), "p99": pct.get("p99"),
+                "count": m.get("count"), "total_sum": m.get("total_sum")}
+
+    output = stat(((metrics.get("text") or {}).get("tokens") or {}).get("output"))
+    duration = bench.get("duration")
+    tokens = output.get("total_sum") if output else None
+    return {"duration_s": duration, "output_tokens": tokens,
+            "output_tokens_per_s": round(tokens / duration, 2) if tokens and duration else None,
+            "ttft_ms": stat(metrics.get("time_to_first_token_ms")), "itl_ms": stat(metrics.get("inter_token_latency_ms")),
+            "request_totals": metrics.get("request_totals")}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -526,6 +605,14 @@ def print_table(report: dict[str, Any]) -> None:
                      if str(c) in e["levels"]]
             off = (e.get("offline") or {}).get("cpu_ms_per_token")
             print(f"  {name:14} " + ", ".join(cells) + (f", offline {off}" if off is not None else ""))
+    for name, e in report["engines"].items():
+        gl = e.get("guidellm")
+        if gl and gl.get("output_tokens_per_s"):
+            ttft = gl.get("ttft_ms") or {}
+            print(f"  guidellm, {name} at {gl['concurrency']} streams: output {gl['output_tokens_per_s']} tok/s, "
+                  f"TTFT p99 {ttft.get('p99') or float('nan'):.0f} ms ({gl['request_totals']})")
+        elif gl:
+            print(f"  guidellm, {name}: {gl.get('status')}: {gl.get('reason') or gl.get('error')}")
     g = report["greedy_check"]
     if g["identical"]:
         print("greedy texts identical to " + g["reference"] + ": "
@@ -574,6 +661,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-omp-bind", default=None,
                    help="VLLM_CPU_OMP_THREADS_BIND: the cores vLLM's OpenMP threads are bound to, one thread each "
                         "(default: every usable core, e.g. 0-1; 'nobind' leaves placement to the OS)")
+    p.add_argument("--guidellm-concurrency", type=int, default=0,
+                   help="also run guidellm (a second client) at this many streams against each server (0: not)")
+    p.add_argument("--guidellm-venv", default=str(Path.home() / ".cache" / "asyncllm" / "guidellm-venv"),
+                   help="the venv holding guidellm (default: %(default)s)")
+    p.add_argument("--asyncllm-args", default="", help="more arguments for `asyncllm serve` (e.g. '--max-itl-ms none')")
+    p.add_argument("--vllm-args", default="", help="more arguments for vLLM's api_server")
+    p.add_argument("--resume", default=None, metavar="PARTIAL",
+                   help="take what a run cut short finished (its <json>.partial) and run only the rest")
     p.add_argument("--install-vllm", action="store_true", help="make the vLLM-CPU venv first when it is missing")
     p.add_argument("--tiny", action="store_true", help="a toy Llama and a few short requests (tests)")
     p.add_argument("--json", default=None, help=f"report path (default {DEFAULT_JSON.relative_to(ROOT)}; "
@@ -644,10 +739,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if entry["kind"] == "vllm" and venv is None:
             entry.update(status="skipped", reason=why_not)
     runnable = [e for e in args.engines if results[e]["status"] == "ok"]
+    done = resume(args, results) if args.resume else set()
     for round_index in range(args.repeats):
         for engine in runnable:
             entry = results[engine]
-            if entry["status"] == "error":
+            if entry["status"] == "error" or (engine, round_index) in done:
                 continue
             try:
                 serve_engine(engine, entry, model_dir, args, vocab, venv, round_index)
@@ -658,6 +754,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             save_partial(args, results)
     if not args.skip_offline:
         for engine in runnable:
+            if (engine, "offline") in done:
+                continue
             try:
                 results[engine]["offline"] = run_offline(engine, model_dir, args, vocab, venv)
             except Exception as e:  # noqa: BLE001
@@ -697,6 +795,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         Path(str(args.json) + ".partial").unlink(missing_ok=True)
     return report
+
+
+def resume(args: argparse.Namespace, results: dict[str, dict]) -> set:
+    """Take the figures of a run cut short from its ``.partial`` file: each engine's finished rounds (every level
+    measured) and offline runs; returns what need not run again as (engine, round) and (engine, "offline")."""
+    saved = json.loads(Path(args.resume).read_text())["engines"]
+    done = set()
+    for name, entry in results.items():
+        old = saved.get(name)
+        if not old or entry["status"] != "ok" or old.get("status") != "ok":
+            continue
+        rounds = min((len(old["raw"].get(str(c), [])) for c in args.concurrency), default=0)
+        rounds = min(rounds, len(old.get("startup_s_runs", [])), args.repeats)
+        if rounds:
+            for key in ("startup_s_runs", "warmup_s_runs"):
+                entry[key] = old.get(key, [])[:rounds]
+            entry["raw"] = {str(c): old["raw"][str(c)][:rounds] for c in args.concurrency}
+            for key in ("server_command", "server_env", "greedy_texts", "guidellm"):
+                if key in old:
+                    entry[key] = old[key]
+            done |= {(name, r) for r in range(rounds)}
+        if old.get("offline"):
+            entry["offline"] = old["offline"]
+            done.add((name, "offline"))
+    log(f"resumed from {args.resume}: {sorted(map(str, done))}")
+    return done
 
 
 def save_partial(args: argparse.Namespace, results: dict[str, dict]) -> None:

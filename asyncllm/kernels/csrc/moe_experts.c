@@ -151,6 +151,16 @@ static inline __attribute__((always_inline)) void tile_dots(const int R, const i
     reduce_store(acc, res);
 }
 
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192
+#endif
+/* How many rows (of K floats) ahead a tile of R rows prefetches: the next tile's at least, and far enough
+ * (PREFETCH_BYTES per stream) to cover DRAM latency when a tile's rows are short (I = 128: 512 bytes). */
+static inline int64_t prefetch_rows(int R, int64_t K) {
+    const int64_t far = (PREFETCH_BYTES + K * 4 - 1) / (K * 4);
+    return far > R ? far : R;
+}
+
 typedef struct {
     const float *x;
     int64_t x_stride, H, I;
@@ -172,7 +182,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void gate_up_tiles(const int Rg, const int C, const Step *s,
                                                                 const float *W, int64_t j0, int64_t pa,
                                                                 int64_t pb) {
-    const int64_t H = s->H, I = s->I;
+    const int64_t H = s->H, I = s->I, ahead = prefetch_rows(Rg, H);
     float res[NACC];
     for (int64_t j = j0; j < j0 + s->rb; j += Rg) {
         const float *rows[NACC], *next[NACC];
@@ -180,8 +190,8 @@ static inline __attribute__((always_inline)) void gate_up_tiles(const int Rg, co
             rows[r] = W + (j + r) * H;
             rows[Rg + r] = W + (I + j + r) * H;
             /* the next rows this item reads; past the block they are the next item's (harmless) */
-            next[r] = rows[r] + Rg * H;
-            next[Rg + r] = rows[Rg + r] + Rg * H;
+            next[r] = rows[r] + ahead * H;
+            next[Rg + r] = rows[Rg + r] + ahead * H;
         }
         for (int64_t p = pa; p < pb; p += C) {
             const float *xs[CMAX];
@@ -241,12 +251,13 @@ static inline __attribute__((always_inline)) void down_tiles(const int R, const 
                                                              int64_t n0, int64_t n1, int64_t pa, int64_t pb) {
     const int64_t H = s->H, I = s->I;
     const float *W = s->w2 + e * H * I, *bias = s->b2 ? s->b2 + e * H : NULL;
+    const int64_t ahead = prefetch_rows(R, I);
     float res[NACC];
     for (int64_t n = n0; n < n1; n += R) {
         const float *rows[NACC], *next[NACC];
         for (int r = 0; r < R; r++) {
             rows[r] = W + (n + r) * I;
-            next[r] = rows[r] + R * I;
+            next[r] = rows[r] + ahead * I;
         }
         for (int64_t p = pa; p < pb; p += C) {
             const float *xs[CMAX];

@@ -430,3 +430,36 @@ def test_w_vllm_tiny_run(tmp_path, monkeypatch):
     assert report["vllm"]["skipped"] and report["machine"]["loadavg_start"] is not None
     saved = json.loads(out.read_text())
     assert saved["benchmark"] == "W-VLLM" and saved["engines"]["vllm-bf16"]["status"] == "skipped"
+
+
+def test_w_host_tiny_run(tmp_path, capsys):
+    """W-HOST end to end at toy size: the host's route and the engine's streams in one uvicorn server, driven from
+    other processes, alone and together; the report's ratios are its figures' ratios."""
+    from benchmarks import w_host
+
+    out = tmp_path / "w_host.json"
+    w_host.main(["--tiny", "--seconds", "1", "--work-dir", str(tmp_path / "models"), "--json", str(out)])
+    report = json.loads(out.read_text())
+    host, engine, ratios = report["host"], report["engine"], report["comparison"]
+    assert set(host) == {"alone", "with_engine"} and set(engine) == {"alone", "with_host"}
+    assert report["calibration"]["iterations"] > 0 and report["server"]["loop"]
+    for figures in host.values():
+        assert figures["runs"] == 1 and figures["requests"] > 0 and figures["errors"] == 0
+        assert 0 < figures["latency_ms"]["p50"] <= figures["latency_ms"]["p99"] <= figures["latency_ms"]["max"]
+        assert figures["work_ms"]["count"] > 0 and figures["server_ms"]["count"] > 0
+        assert figures["loop_lag_ms"]["count"] > 0 and figures["driver_late_ms"]["count"] > 0
+    for figures in engine.values():
+        assert figures["requests"] >= 4 and figures["errors"] == 0  # 4 streams, one request each at least
+        assert figures["generated_tokens"] == 16 * figures["requests"]  # --gen-len 16, ignore_eos
+        assert figures["tokens_per_s"] == pytest.approx(figures["generated_tokens"] / figures["wall_s"], rel=0.01)
+        assert 0 < figures["itl_ms"]["count"] <= 15 * figures["requests"]  # a chunk carries one token or more
+    assert ratios["host_p50_ratio"] == pytest.approx(
+        host["with_engine"]["latency_ms"]["p50"] / host["alone"]["latency_ms"]["p50"], rel=0.01)
+    assert ratios["host_p99_ratio"] == pytest.approx(
+        host["with_engine"]["latency_ms"]["p99"] / host["alone"]["latency_ms"]["p99"], rel=0.01)
+    assert ratios["engine_tokens_per_s_ratio"] == pytest.approx(
+        engine["with_host"]["tokens_per_s"] / engine["alone"]["tokens_per_s"], rel=0.01)
+    assert ratios["met"] == {"host_p99": ratios["host_p99_ratio"] <= 2.0,
+                             "engine_tokens_per_s": ratios["engine_tokens_per_s_ratio"] >= 0.85}
+    assert set(report["server_cpu"]) >= {"host_alone", "engine_alone", "both"}
+    assert "W-HOST: host p50 x" in capsys.readouterr().out

@@ -651,6 +651,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--greedy-tokens", type=int, default=None, help="tokens of the greedy check (default 64; 0: off)")
     p.add_argument("--offline-prompts", type=int, default=None, help="prompts of the offline run (default 64)")
     p.add_argument("--skip-offline", action="store_true", help="no offline runs")
+    p.add_argument("--offline-engines", default=None, help="the engines of the offline runs (default: all)")
     p.add_argument("--max-model-len", type=int, default=None, help="both engines' (default 1024; --tiny 256)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to be ready")
@@ -683,6 +684,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
     args.engines = names
+    args.offline_engines = [e.strip() for e in args.offline_engines.split(",")] if args.offline_engines else None
     if args.repeats < 1 or args.prompt_len < 1 or args.gen_len < 1:
         p.error("--repeats, --prompt-len and --gen-len must be >= 1")
     if args.vllm_omp_bind is None:
@@ -754,7 +756,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             save_partial(args, results)
     if not args.skip_offline:
         for engine in runnable:
-            if (engine, "offline") in done:
+            if (engine, "offline") in done or (args.offline_engines and engine not in args.offline_engines):
                 continue
             try:
                 results[engine]["offline"] = run_offline(engine, model_dir, args, vocab, venv)

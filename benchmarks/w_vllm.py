@@ -391,10 +391,15 @@ def serve_engine(engine: str, entry: dict[str, Any], model_dir: str, args: argpa
 
 
 def guidellm_exe(args: argparse.Namespace) -> Path:
+    """guidellm from ``--guidellm-venv``, else from the vLLM venv (``python -m benchmarks.vllm_env --guidellm``)."""
     exe = Path(args.guidellm_venv).expanduser() / "bin" / "guidellm"
-    if not exe.is_file():
-        raise Skipped(f"guidellm not installed at {exe} (python -m venv DIR && DIR/bin/pip install guidellm)")
-    return exe
+    if exe.is_file():
+        return exe
+    fallback = vllm_env.guidellm_bin(vllm_env.venv_dir(args.vllm_venv))
+    if fallback.is_file():
+        return fallback
+    raise Skipped(f"guidellm not installed at {exe} nor {fallback} (python -m venv DIR && DIR/bin/pip install "
+                  "guidellm, or python -m benchmarks.vllm_env --guidellm)")
 
 
 def run_guidellm(exe: Path, base: str, model_dir: str, args: argparse.Namespace, engine: str) -> dict[str, Any]:

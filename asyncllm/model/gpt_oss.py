@@ -17,17 +17,14 @@ of such a checkpoint is bf16, and the engine runs it as a float checkpoint.
 from __future__ import annotations
 
 from .llama import LlamaForCausalLM
-from .mixtral import ATTENTION_LORA_TARGETS, MOE_FAST_PATHS
+from .mixtral import MoEFamily
 from .moe import moe_shape
 from .mxfp4 import METHOD
 from .shape import DecoderShape
 
 
-class GptOssForCausalLM(LlamaForCausalLM):
-    fast_paths = MOE_FAST_PATHS
-    lora_targets = ATTENTION_LORA_TARGETS
+class GptOssForCausalLM(MoEFamily, LlamaForCausalLM):
     renamed = {"router": "gate"}
-    gguf_architectures = ()
     dequantized_formats = (METHOD,)
 
     @classmethod

@@ -9,17 +9,14 @@ projections in ``output_linear`` ([E, H, I]) under ``block_sparse_moe``, with th
 from __future__ import annotations
 
 from .granite import GraniteForCausalLM
-from .mixtral import ATTENTION_LORA_TARGETS, MOE_FAST_PATHS
+from .mixtral import MoEFamily
 from .moe import moe_shape
 from .shape import DecoderShape
 
 
-class GraniteMoeForCausalLM(GraniteForCausalLM):
-    fast_paths = MOE_FAST_PATHS
-    lora_targets = ATTENTION_LORA_TARGETS
+class GraniteMoeForCausalLM(MoEFamily, GraniteForCausalLM):
     renamed = {"router.layer": "gate", "block_sparse_moe": "mlp",
                "input_linear": "experts.input_linear", "output_linear": "experts.output_linear"}
-    gguf_architectures = ()
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from .decoder import DecoderModel
-from .mixtral import ATTENTION_LORA_TARGETS, MOE_FAST_PATHS
+from .mixtral import MoEFamily
 from .moe import moe_shape
 from .rotary import RotaryEmbedding
 from .shape import DecoderShape
@@ -89,9 +89,7 @@ class TemperatureTuning(nn.Module):
         return (q * scales[:, None, None]).to(q.dtype), k
 
 
-class Llama4ForCausalLM(DecoderModel):
-    fast_paths = MOE_FAST_PATHS
-    lora_targets = ATTENTION_LORA_TARGETS
+class Llama4ForCausalLM(MoEFamily, DecoderModel):
     renamed = {"feed_forward": "mlp", "router": "gate"}
     interleaved_rope = True
 

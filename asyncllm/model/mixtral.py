@@ -18,11 +18,17 @@ MOE_FAST_PATHS = FastPaths(decode_stack=False, cuda_graphs=False)
 ATTENTION_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class MoEFamily:
+    """The declaration every mixture-of-experts family shares (listed first among its bases): no C decode
+    stack or CUDA graphs, LoRA on the attention projections, no GGUF files."""
+
     fast_paths = MOE_FAST_PATHS
     lora_targets = ATTENTION_LORA_TARGETS
+    gguf_architectures: tuple[str, ...] = ()
+
+
+class MixtralForCausalLM(MoEFamily, LlamaForCausalLM):
     renamed = {"block_sparse_moe": "mlp"}
-    gguf_architectures = ()
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:

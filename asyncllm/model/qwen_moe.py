@@ -9,7 +9,7 @@ adds a shared expert whose output is scaled by ``sigmoid(shared_expert_gate(x))`
 from __future__ import annotations
 
 from .llama import Qwen2ForCausalLM, Qwen3ForCausalLM
-from .mixtral import ATTENTION_LORA_TARGETS, MOE_FAST_PATHS
+from .mixtral import MoEFamily
 from .moe import moe_shape
 from .shape import DecoderShape
 
@@ -21,10 +21,7 @@ def sparse_layers(config, num_layers: int) -> tuple:
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
 
 
-class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
-    fast_paths = MOE_FAST_PATHS
-    lora_targets = ATTENTION_LORA_TARGETS
-    gguf_architectures = ()
+class Qwen2MoeForCausalLM(MoEFamily, Qwen2ForCausalLM):
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:
@@ -37,10 +34,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         return shape
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    fast_paths = MOE_FAST_PATHS
-    lora_targets = ATTENTION_LORA_TARGETS
-    gguf_architectures = ()
+class Qwen3MoeForCausalLM(MoEFamily, Qwen3ForCausalLM):
 
     @classmethod
     def read_shape(cls, config) -> DecoderShape:

@@ -60,26 +60,30 @@ def compile_kernel(name: str, fn, pointers: dict[str, str], floats: tuple[str, .
 
 
 def attention(dtype: str, head_dim: int, block_m: int, tile_n: int, splits: int, window: int = 0,
-              softcap: bool = False) -> None:
-    """``window``/``softcap``: Gemma 2's specialisation (a 4,096-token window, capped scores)."""
+              softcap: bool = False, chunk: int = 0, sinks: bool = False) -> None:
+    """``window``/``softcap``: Gemma 2's specialisation (a 4,096-token window, capped scores); ``chunk``:
+    Llama 4's chunked attention; ``sinks``: gpt-oss's per-head sink logits."""
     group = 2
     pointers = {arg: f"*{dtype}" for arg in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
     pointers.update({arg: "*fp32" for arg in ("part_out_ptr", "part_m_ptr", "part_l_ptr")})
     pointers.update({arg: "*i64" for arg in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr")})
-    pointers.update(qblock_seq_ptr="*i32", qblock_start_ptr="*i32")
+    pointers.update(qblock_seq_ptr="*i32", qblock_start_ptr="*i32", sinks_ptr="*fp32")
     meta = dict(NUM_KV_HEADS=8, BLOCK_SIZE=16, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim,
                 BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n, NUM_SPLITS=splits,
-                UPCAST=False, IEEE_DOT=dtype == "fp32", HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap)
+                UPCAST=False, IEEE_DOT=dtype == "fp32", HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap,
+                HAS_CHUNK=chunk > 0, HAS_SINKS=sinks)
     # q: a view of the fused qkv rows ((16 + 2 * 8) heads of 128); out and the caches contiguous
     ints = dict(stride_qt=32 * head_dim, stride_qh=head_dim, stride_ot=16 * head_dim, stride_oh=head_dim,
                 stride_kb=16 * 8 * head_dim, stride_ks=8 * head_dim, stride_kh=head_dim,
-                stride_vb=16 * 8 * head_dim, stride_vs=8 * head_dim, stride_vh=head_dim, stride_bt=256, window=window)
-    variant = f" window{window}" * (window > 0) + " softcap" * softcap
+                stride_vb=16 * 8 * head_dim, stride_vs=8 * head_dim, stride_vh=head_dim, stride_bt=256, window=window,
+                chunk=chunk or 1)
+    variant = (f" window{window}" * (window > 0) + " softcap" * softcap + f" chunk{chunk}" * (chunk > 0)
+               + " sinks" * sinks)
     compile_kernel(f"paged_attention {dtype} d{head_dim} m{block_m} n{tile_n} splits{splits}{variant}",
                    paged_attention._paged_attention_kernel, pointers, ("scale_log2", "softcap"), meta, ints)
     if splits > 1:
         meta = {k: v for k, v in meta.items()
-                if k not in ("BLOCK_SIZE", "TILE_N", "UPCAST", "IEEE_DOT", "HAS_WINDOW", "HAS_SOFTCAP")}
+                if k not in ("BLOCK_SIZE", "TILE_N", "UPCAST", "IEEE_DOT", "HAS_WINDOW", "HAS_SOFTCAP", "HAS_CHUNK")}
         compile_kernel(f"merge_splits {dtype} splits{splits}", paged_attention._merge_splits_kernel,
                        {**pointers, "query_start_ptr": "*i64"}, (), meta,
                        dict(stride_ot=16 * head_dim, stride_oh=head_dim))
@@ -117,4 +121,6 @@ if __name__ == "__main__":
     attention("bf16", 128, 64, 64, 1)    # prefill
     attention("fp32", 128, 64, 32, 1)    # float32 prefill: exact dots, half-width tiles
     attention("bf16", 256, 16, 32, 1, window=4096, softcap=True)  # Gemma 2 decode: window and soft cap
+    attention("bf16", 128, 16, 64, 1, chunk=8192)                  # Llama 4 decode: chunked attention
+    attention("bf16", 64, 16, 64, 8, window=128, sinks=True)      # gpt-oss split decode: window and sinks
     elementwise_ops("bf16")

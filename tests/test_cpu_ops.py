@@ -169,6 +169,7 @@ def test_every_kernel_source_builds_here(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ASYNCLLM_CACHE_DIR", str(tmp_path))
     names = sorted(p.stem for p in cpu_build.CSRC.glob("*.c"))
-    assert names == ["decode_stack", "elementwise", "int4_linear", "int8_linear", "lora", "paged_decode", "sampling"]
+    assert names == ["decode_stack", "elementwise", "int4_linear", "int8_linear", "lora", "moe_experts",
+                     "paged_decode", "sampling"]
     for name in names:
         assert cpu_build.build(name).exists()

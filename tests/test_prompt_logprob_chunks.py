@@ -70,8 +70,10 @@ def test_chunked_prompt_logprobs_equal_unchunked_and_transformers(model_dirs, mo
     for i in range(1, PROMPT_LEN):
         mine, theirs = got.prompt_logprobs[i], expected.prompt_logprobs[i]
         assert next(iter(mine)) == prompt[i] and set(mine) == set(theirs)  # the actual token, the same top 5
-        assert [mine[t] for t in theirs] == pytest.approx(list(theirs.values()), abs=1e-4)  # chunking's rounding
-        assert mine[prompt[i]] == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
+        # chunking changes float32 summation orders (and the CPU kernels' vector width the host's ISA):
+        # CI saw 1.2e-4 on a logprob of -2.9, so the bound is relative as well as absolute
+        assert [mine[t] for t in theirs] == pytest.approx(list(theirs.values()), abs=1e-4, rel=1e-4)
+        assert mine[prompt[i]] == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4, rel=1e-4)
     assert chunked.stats()["kv_blocks_used"] == 0
 
 

@@ -44,6 +44,14 @@ class EngineConfig:
     enable_cuda_graphs: bool = True    # CUDA + Triton only: replay decode steps as CUDA graphs (docs/kernels.md)
     speculative_config: dict | str | None = None  # speculative decoding (engine/speculation.py, docs/decoding.md)
     seed: int = 0
+    # vision-language models (docs/multimodal.md): what a prompt's images may be and where they come from
+    limit_mm_per_prompt: dict | None = None  # {"image": N}: images per prompt (default 8)
+    max_image_bytes: int = 20 * 2**20          # an image's encoded size (a data: URL, a file, a download)
+    max_image_pixels: int = 40_000_000         # width x height, checked before the pixels are decoded
+    allowed_local_media_path: str | None = None  # image parts may name files under this directory
+    allowed_media_domains: list | None = None  # http(s) image URLs of these hosts are fetched ("*": any); None: none
+    media_fetch_timeout: float = 10.0          # seconds for one image download
+    image_cache_memory: int = 256 * 2**20      # bytes of encoder outputs kept by image content hash
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict[str, Any]) -> "EngineConfig":
@@ -100,6 +108,36 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank!r}")
+        self._validate_media()
         if self.tensor_parallel_size % self.nnodes:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
                               f"nnodes={self.nnodes} (each node runs the same number of ranks)")
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        return (self.limit_mm_per_prompt or {}).get("image", 8)
+
+    def _validate_media(self) -> None:
+        limit = self.limit_mm_per_prompt
+        if limit is not None:
+            if not isinstance(limit, dict) or set(limit) - {"image"}:
+                raise ConfigError(f"limit_mm_per_prompt must be a mapping like {{'image': 4}}, got {limit!r}")
+            count = limit.get("image", 8)
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ConfigError(f"limit_mm_per_prompt['image'] must be a non-negative integer, got {count!r}")
+        for name in ("max_image_bytes", "max_image_pixels", "image_cache_memory"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        timeout = self.media_fetch_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ConfigError(f"media_fetch_timeout must be a positive number of seconds, got {timeout!r}")
+        domains = self.allowed_media_domains
+        if domains is not None and (isinstance(domains, str) or not all(isinstance(d, str) and d for d in domains)):
+            raise ConfigError(f"allowed_media_domains must be a list of host names (or ['*']), got {domains!r}")
+        path = self.allowed_local_media_path
+        if path is not None:
+            import os
+
+            if not isinstance(path, str) or not os.path.isdir(path):
+                raise ConfigError(f"allowed_local_media_path must be an existing directory, got {path!r}")

@@ -42,6 +42,7 @@ class EngineRequest:
     beam_stop: Any = None               # beam search with stop strings: token ids -> the stop string they end with
     bad_words_ids: list[list[int]] | None = None  # SamplingParams.bad_words as token id sequences
     pooling: str | None = None          # an embedding request: "last" or "mean" over the prompt; nothing sampled
+    images: list = field(default_factory=list)  # ImageInput (model/step_io.py) per image, in prompt order
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.cache_salt is None:
@@ -120,8 +121,16 @@ class Sequence:
             i = len(self.block_keys)
             parent = self.block_keys[i - 1] if i else None
             tokens = tuple(self.token_ids[i * block_size:(i + 1) * block_size])
-            self.block_keys.append(BlockKey(parent, tokens, self.request.cache_salt))
+            self.block_keys.append(BlockKey(parent, tokens, self._extra_key(i * block_size, block_size)))
         return self.block_keys[block_index]
+
+    def _extra_key(self, start: int, block_size: int) -> Hashable:
+        """The cache salt, with the content hash of every image whose placeholders the block holds: the
+        placeholder tokens are the same for every image, so two different images never share a block."""
+        salt = self.request.cache_salt
+        images = tuple((image.content_hash, image.offset - start) for image in self.request.images
+                       if image.offset < start + block_size and image.offset + image.length > start)
+        return (salt, images) if images else salt
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

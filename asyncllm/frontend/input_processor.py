@@ -36,7 +36,7 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Iterable[int] = (),
                  tool_parser: str = "hermes", max_n: int = DEFAULT_MAX_N, max_num_seqs: int | None = None,
                  sampling_defaults: dict[str, Any] | None = None,
-                 check_fits: Callable[[EngineRequest], None] | None = None) -> None:
+                 check_fits: Callable[[EngineRequest], None] | None = None, multimodal=None) -> None:
         """``check_fits``: the engine's own refusal of a request no schedule could complete (KV blocks),
         run here so that such a request is refused before any front registers it."""
         self.tokenizer = tokenizer
@@ -49,6 +49,7 @@ class InputProcessor:
         self.max_n = min(max_n, max_num_seqs) if max_num_seqs else max_n
         self.tool_parser = parser_class(tool_parser).name
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self.multimodal = multimodal  # a vision-language model's MultiModalProcessor (frontend/multimodal.py)
 
     def process(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
                 sampling_kwargs: dict[str, Any] | None = None, tools: list | None = None,
@@ -76,9 +77,12 @@ class InputProcessor:
         grammar = self._grammar(params, tool_context)
         truncate = params.truncate_prompt_tokens
         # a prompt to be truncated may be longer than the context: only its tail has to fit
-        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, tools, self.tool_parser,
-                                    None if truncate else self.max_model_len)
+        text, ids, images = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, tools, self.tool_parser,
+                                            None if truncate else self.max_model_len, self.multimodal)
         if truncate is not None and len(ids) > truncate:
+            if images:  # cutting the head could cut an image's placeholders in two
+                raise InvalidRequestError("truncate_prompt_tokens: not with images in the prompt",
+                                          field="truncate_prompt_tokens")
             ids = ids[-truncate:]
         check_prompt_length(len(ids), self.max_model_len)
         max_tokens = self._max_tokens(params, len(ids))
@@ -93,6 +97,7 @@ class InputProcessor:
         if params.bad_words:
             request.bad_words_ids = self._bad_words_ids(params.bad_words)
         request.pooling = pooling
+        request.images = images
         if self.check_fits is not None:
             self.check_fits(request)
         return text, request
@@ -107,7 +112,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if len(prompt) > WORKER_PROMPT_CHARS:
                 return True
-        elif is_chat(prompt) or not isinstance(prompt, (list, tuple)) or len(prompt) > WORKER_PROMPT_IDS \
+        elif isinstance(prompt, dict) or is_chat(prompt) or not isinstance(prompt, (list, tuple)) or len(prompt) > WORKER_PROMPT_IDS \
                 or any(isinstance(item, dict) for item in prompt):
             return True
         for name, value in sampling_kwargs.items():
@@ -190,7 +195,21 @@ def make_input_processor(engine, tokenizer, tool_parser: str | None = None) -> I
     return InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,
                           eos_token_ids=engine.stop_checker.eos_token_ids, tool_parser=parser,
                           max_n=engine.config.max_n, max_num_seqs=engine.config.max_num_seqs,
-                          sampling_defaults=defaults, check_fits=getattr(engine, "check_fits", None))
+                          sampling_defaults=defaults, check_fits=getattr(engine, "check_fits", None),
+                          multimodal=_multimodal_processor(engine, tokenizer))
+
+
+def _multimodal_processor(engine, tokenizer):
+    """The processor of a vision-language model (None for text models, or without a tokenizer)."""
+    spec = getattr(engine.runner.shape, "vision", None)
+    if spec is None or tokenizer is None:
+        return None
+    from ..model.registry import architecture_for
+    from .images import ImagePolicy
+    from .multimodal import MultiModalProcessor
+
+    model_class = architecture_for(engine.hf_config, engine.config.model_impl).model_class()
+    return MultiModalProcessor(engine.model_dir, model_class, spec, ImagePolicy.from_config(engine.config))
 
 
 PRIORITY_LIMIT = 2**31  # any 32-bit signed value a client may send

@@ -69,7 +69,8 @@ class ChatPrompt:
                                       field="chat_template_kwargs")
 
 
-Prompt = Union[str, list[int], list[dict[str, Any]], ChatPrompt]
+# a dict is a multimodal prompt: {"prompt": text, "images": [...]} (frontend/multimodal.py)
+Prompt = Union[str, list[int], list[dict[str, Any]], ChatPrompt, dict[str, Any]]
 
 
 def is_chat(prompt: Any) -> bool:
@@ -79,10 +80,56 @@ def is_chat(prompt: Any) -> bool:
 
 
 def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | None = None,
-                    tool_parser: str = "hermes", max_model_len: int | None = None) -> tuple[str | None, list[int]]:
-    """Return ``(prompt_text_or_None, token_ids)``; raise InvalidRequestError on bad input.
+                    tool_parser: str = "hermes", max_model_len: int | None = None,
+                    multimodal=None) -> tuple[str | None, list[int], list]:
+    """Return ``(prompt_text_or_None, token_ids, images)``; raise InvalidRequestError on bad input.
 
-    With ``max_model_len``, a text too long to fit is refused before it is tokenized."""
+    With ``max_model_len``, a text too long to fit is refused before it is tokenized. ``multimodal``: a
+    vision-language model's MultiModalProcessor (frontend/multimodal.py); ``images``: the prompt's
+    ImageInputs (none without images)."""
+    from .multimodal import is_multimodal_prompt, prompt_images
+
+    if is_multimodal_prompt(prompt):
+        text, sources = prompt_images(prompt)
+        check_utf8_field(text, "prompt")
+        _check_text_length(text, tokenizer, max_model_len, "prompt")
+        return (text, *_with_images(multimodal, text, sources, True))
+    if isinstance(prompt, dict):
+        raise InvalidRequestError("prompt: a mapping must hold 'prompt' (and 'images' or 'multi_modal_data')",
+                                  field="prompt")
+    if is_chat(prompt) and multimodal is not None:
+        chat = prompt if isinstance(prompt, ChatPrompt) else ChatPrompt(list(prompt))
+        chat.check()
+        sources: list = []
+        text = render_chat(list(chat.messages), tokenizer, tools, tool_parser, chat,
+                           max_chars=_render_limit(tokenizer, max_model_len), images=sources)
+        _check_text_length(text, tokenizer, max_model_len, "messages")
+        if sources:
+            return (text, *_with_images(multimodal, text, sources, False))
+        ids = _encode(tokenizer, text, False, max_model_len)
+        if not ids:
+            raise InvalidRequestError("messages: the chat template rendered an empty prompt", field="messages")
+        return text, ids, []
+    return (*_tokenize_text_prompt(prompt, tokenizer, vocab_size, tools, tool_parser, max_model_len), [])
+
+
+def _with_images(multimodal, text: str, sources: list, add_special_tokens: bool) -> tuple[list[int], list]:
+    if multimodal is None:
+        raise InvalidRequestError(f"{sources[0][1] if sources else 'prompt'}: this model takes no images",
+                                  field=(sources[0][1] if sources else "prompt").split("[")[0].split(".")[0])
+    images = multimodal.load_images(sources)
+    return multimodal.expand(text, images, add_special_tokens, [field for _, field in sources])
+
+
+def check_utf8_field(text: str, field: str) -> None:
+    try:
+        check_utf8(text, field)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), field=field) from None
+
+
+def _tokenize_text_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | None, tool_parser: str,
+                          max_model_len: int | None) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt: must not be empty", field="prompt")
@@ -141,7 +188,8 @@ def _render_limit(tokenizer, max_model_len: int | None) -> int | None:
 
 
 def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = None,
-                tool_parser: str = "hermes", options: ChatPrompt | None = None, max_chars: int | None = None) -> str:
+                tool_parser: str = "hermes", options: ChatPrompt | None = None, max_chars: int | None = None,
+                images: list | None = None) -> str:
     """Apply the tokenizer's chat template, ready for the assistant's reply.
 
     Tools (and earlier tool calls) reach the prompt even when the template ignores them: they are
@@ -150,7 +198,13 @@ def render_chat(messages: list[dict[str, Any]], tokenizer, tools: list | None = 
     ``max_chars`` bounds its output (default DEFAULT_MAX_CHARS there); past a bound, a 400."""
     from .messages import validate_messages  # pydantic: imported on the first chat prompt, not with asyncllm
 
-    messages = validate_messages(messages)
+    from .multimodal import take_image_sources
+
+    messages, sources = take_image_sources(validate_messages(messages))
+    if sources and images is None:  # a text-only model, or a route that takes no images
+        raise InvalidRequestError(f"{sources[0][1]}: this model takes no images", field="messages")
+    if images is not None:
+        images.extend(sources)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages: this model's tokenizer has no chat template", field="messages")
     messages, tools = prepare_messages(messages, tools, tokenizer, tool_parser)

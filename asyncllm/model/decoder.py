@@ -304,9 +304,11 @@ class DecoderModel(nn.Module):
         return hidden * self.shape.embedding_scale if self.shape.embedding_scale != 1.0 else hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """[tokens] ids and positions -> [tokens, hidden] final hidden states."""
-        hidden = self.embed(input_ids)
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens] ids and positions -> [tokens, hidden] final hidden states. ``input_embeds``: the step's
+        input rows already embedded (a prompt's images in place of their placeholders; model/image_embeddings.py)."""
+        hidden = self.embed(input_ids) if input_embeds is None else input_embeds
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden = layer(positions, hidden, meta, kv_cache)
         return self.model.norm(hidden)

@@ -55,6 +55,8 @@ NATIVE: dict[str, str] = {
     # interleaved dense/MoE layers, NoPE and chunked-attention layers (model/llama4.py); the multimodal one text-only
     "Llama4ForCausalLM": "llama4:Llama4ForCausalLM",
     "Llama4ForConditionalGeneration": "llama4:Llama4ForConditionalGeneration",
+    # vision-language models: images in, text out (model/llava.py, docs/multimodal.md)
+    "LlavaForConditionalGeneration": "llava:LlavaForConditionalGeneration",
 }
 TRANSFORMERS_BACKEND = "transformers_backend:TransformersModel"
 
@@ -67,7 +69,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3_moe": "Qwen3MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                "gpt_oss": "GptOssForCausalLM",
-               "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration"}
+               "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration",
+               "llava": "LlavaForConditionalGeneration"}
 MODEL_IMPLS = ("auto", "native", "transformers")
 
 

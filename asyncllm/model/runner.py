@@ -26,6 +26,7 @@ from ..kernels.ops import cpu_ops, triton_ops
 from ..kernels.torch_attention import TorchAttentionBackend
 from ..kernels.transfer import stage, to_device
 from .cuda_graphs import DecodeGraphs
+from .image_embeddings import ImageEmbeddings
 from ..platform import Platform, decide_platform
 from .loader import load_weights
 from ..kernels.quant_linear import Fp8Linear, GroupQuantLinear
@@ -116,6 +117,7 @@ class ModelRunner:
         if not self.architecture.native:
             self.model.attach_lora(self.lora)
         self.cuda_graphs = self._capture_cuda_graphs(config, max_model_len)
+        self.image_embeddings = ImageEmbeddings(self.model, self.device, self.dtype, config.image_cache_memory)
 
     def _load_native(self, config: EngineConfig, hf_config, source: ModelSource, max_model_len: int) -> None:
         """The family's model built on the meta device, then filled tensor by tensor (model/loader.py)."""
@@ -280,7 +282,8 @@ class ModelRunner:
         self._copy_blocks(step.block_copies)
         self._prepare_lora(step)
         input_ids, positions, meta, gathers = self._prepare(step)
-        hidden = self._forward(input_ids, positions, meta)
+        embeds = self.image_embeddings.embed(input_ids, step.images) if step.images else None
+        hidden = self._forward(input_ids, positions, meta, embeds)
         pooled = hidden[gathers.pool_index].float() if step.pool_rows else None
         if not step.logit_rows:  # a step of embedding prompts only: no LM head
             return StepOutput(torch.empty(0, self.shape.vocab_size, device=self.device), pooled)
@@ -328,10 +331,14 @@ class ModelRunner:
         current device is cuda:0 whatever device the engine was given."""
         return torch.cuda.device(self.device) if self.platform.is_cuda else contextlib.nullcontext()
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder over the flattened batch: a CUDA graph replay for a decode-only step that fits
-        one, else eagerly. Steps with LoRA adapters run eagerly: graphs are captured without them."""
+        one, else eagerly. Steps with LoRA adapters run eagerly: graphs are captured without them.
+        ``embeds``: the step's input rows with its images in (always eager)."""
         with self._on_device(), self._fused_ops():
+            if embeds is not None:
+                return self.model(input_ids, positions, meta, self.kv_caches, input_embeds=embeds)
             if self.cuda_graphs is not None and not self.lora.groups and self.cuda_graphs.fits(meta):
                 return self.cuda_graphs.replay(input_ids, positions, meta)
             if (self.decode_stack is not None and not self.lora.groups
@@ -368,7 +375,8 @@ class ModelRunner:
             buffer[row, start:start + len(blocks)] = blocks
 
     def _prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, "_Gathers"]:
-        if step.table_rows is not None and self._host_decode_path:
+        # a step with image rows runs the model eagerly, which needs the backend's plans (the staged path)
+        if step.table_rows is not None and self._host_decode_path and not step.images:
             if all(n == 1 for n in step.num_new_tokens):
                 return (*self._prepare_rows(step, chained=False), _Gathers.of(step, self.device))
             if self._fits_chained(step):

@@ -9,6 +9,7 @@ so a family file says only what is different about it (``model/decoder.py`` read
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 # how a layer wires its norms around attention and MLP (model/decoder.py, DecoderLayer)
 LAYOUTS = ("pre", "sandwich", "post", "parallel")
@@ -102,6 +103,7 @@ class DecoderShape:
     moe: MoEShape | None = None          # the sparse MLP of mixture-of-experts models (model/moe.py)
     moe_layers: tuple = ()               # per layer: True where the MLP is sparse; () = every layer when moe is set
     mla: MLAShape | None = None          # latent attention (DeepSeek): num_kv_heads is 1, head_dim its cache_dim
+    vision: Any = None                   # a vision-language model's VisionSpec (model/llava.py); None: text only
 
     @classmethod
     def from_hf_config(cls, config) -> "DecoderShape":

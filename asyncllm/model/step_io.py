@@ -16,6 +16,28 @@ import torch
 
 
 @dataclass
+class ImageInput:
+    """One image of a prompt: the run of placeholder tokens it fills and what the model's vision encoder
+    reads (the processor's outputs for this image: ``pixel_values``, and e.g. ``image_grid_thw``)."""
+
+    content_hash: str                   # of the processed pixels: the prefix cache and the encoder cache key
+    offset: int                         # the prompt position of its first placeholder
+    length: int                         # its placeholders: the rows of embeddings the encoder gives it
+    pixels: dict[str, torch.Tensor]
+
+
+@dataclass
+class ImageRows:
+    """Rows ``begin .. begin + count`` of an image's embeddings, which replace the token embeddings of
+    the step's flat rows ``row .. row + count`` (a prefill chunk may hold part of an image)."""
+
+    row: int
+    image: ImageInput
+    begin: int
+    count: int
+
+
+@dataclass
 class StepInput:
     """What the model computes in one step. Sequence ``i`` contributes ``num_new_tokens[i]`` tokens,
     starting at position ``start_positions[i]``; its KV blocks are ``block_tables[i]`` or, from the
@@ -33,6 +55,7 @@ class StepInput:
     loras_in_use: set[int] = field(default_factory=set)  # adapter ids of every running sequence
     pool_rows: list[int] = field(default_factory=list)  # flat positions whose final hidden states are kept
     prompt_lens: list[int] | None = None  # per sequence: its prompt's length (length-dependent rope reads it)
+    images: list[ImageRows] = field(default_factory=list)  # image embeddings in place of placeholder tokens
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,155 @@
+"""LLaVA: a CLIP or SigLIP vision tower, a two-layer MLP projector, and a Llama or Mistral language model.
+
+An image becomes a run of placeholder tokens in the prompt (the processor expands each ``<image>``
+into one token per patch feature); the tower's hidden state at ``vision_feature_layer`` (without
+CLIP's class token under the ``default`` strategy), projected to the language model's width, takes
+those tokens' places in the input embeddings (model/image_embeddings.py). From there on an image is
+positions in the paged KV cache like any text: decoding, the prefix cache, LoRA on the language model
+and tensor parallelism work as for the text family.
+
+Checkpoints in both of transformers' layouts load: ``model.language_model.*`` /
+``model.vision_tower.*`` (transformers 5) and ``language_model.model.*`` /
+``vision_tower.vision_model.*`` (the hub's llava-hf checkpoints).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError
+from .llama import LlamaForCausalLM
+from .shape import DecoderShape
+from .step_io import ImageInput
+from .vision_tower import VISION_TYPES, VisionTower, activation, feature_layer_index
+
+_TEXT_TYPES = ("llama", "mistral")
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the language model's shape carries about its vision side (read from the composite config)."""
+
+    config: Any                    # the vision tower's transformers config
+    image_token_id: int
+    feature_layers: tuple          # hidden-state indices whose outputs are joined (one in most checkpoints)
+    keep_class_token: bool         # vision_feature_select_strategy "full"; "default" drops the first row (CLIP's class token)
+    projector_act: str
+    projector_bias: bool
+
+
+class LlavaProjector(nn.Module):
+    """linear_1, the activation, linear_2: the tower's width (times its feature layers) to the text width."""
+
+    def __init__(self, vision_width: int, text_width: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_width, text_width, bias=bias)
+        self.linear_2 = nn.Linear(text_width, text_width, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+    def load_checkpoint_tensor(self, path: str, name: str, tensor, original: str) -> str:
+        params = dict(self.named_parameters())
+        if name not in params or tuple(params[name].shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"unexpected tensor {original!r} of shape {tuple(tensor.shape)} in checkpoint")
+        params[name].data.copy_(tensor)
+        return f"{path}.{name}:None"
+
+    def expected_pieces(self, path: str) -> set[str]:
+        return {f"{path}.{name}:None" for name, _ in self.named_parameters()}
+
+
+class LlavaForConditionalGeneration(LlamaForCausalLM):
+    """The Llama decoder with a vision tower and projector beside it (``encode_images``)."""
+
+    renamed = {"model.language_model": "model", "language_model.model": "model", "language_model.lm_head": "lm_head",
+               "model.vision_tower": "vision_tower", "model.multi_modal_projector": "multi_modal_projector",
+               **LlamaForCausalLM.renamed}
+    gguf_architectures = ()
+
+    def __init__(self, shape: DecoderShape, rotaries, backend, lora=None, tp=None, full=None) -> None:
+        from ..distributed.parallel import SINGLE
+
+        super().__init__(shape, rotaries, backend, lora, tp or SINGLE, full)
+        spec: VisionSpec = (full or shape).vision
+        self.spec = spec
+        self.vision_tower = VisionTower(spec.config)
+        width = spec.config.hidden_size * len(spec.feature_layers)
+        self.multi_modal_projector = LlavaProjector(width, shape.hidden_size, spec.projector_act, spec.projector_bias)
+
+    # ---- the declaration ----
+
+    @classmethod
+    def language_config(cls, config):
+        """The nested ``text_config`` (named after this architecture, so that the registry finds this class
+        again), carrying the vision side's facts for ``read_shape``."""
+        text = getattr(config, "text_config", None)
+        if text is None:
+            return config
+        text = copy.deepcopy(text)
+        text.architectures = list(getattr(config, "architectures", None) or [cls.__name__])
+        text.vision_spec = cls.vision_spec(config)
+        return text
+
+    @classmethod
+    def vision_spec(cls, config) -> VisionSpec:
+        vision = config.vision_config
+        layers = config.vision_feature_layer
+        layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
+        strategy = getattr(config, "vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise ModelLoadError(f"vision_feature_select_strategy {strategy!r} is not supported (default, full)")
+        return VisionSpec(vision, int(config.image_token_id),
+                          tuple(feature_layer_index(int(l), vision.num_hidden_layers) for l in layers),
+                          keep_class_token=strategy == "full",
+                          projector_act=config.projector_hidden_act,
+                          projector_bias=bool(getattr(config, "multimodal_projector_bias", True)))
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        text = getattr(config, "text_config", None)
+        if text is not None:  # the composite config: its text model is one the Llama class runs
+            if getattr(text, "model_type", None) not in _TEXT_TYPES:
+                raise ModelLoadError(f"{cls.__name__}: language model {getattr(text, 'model_type', None)!r} (config "
+                                     f"key text_config.model_type) is not supported; supported: {', '.join(_TEXT_TYPES)}")
+            vision_type = getattr(config.vision_config, "model_type", None)
+            if vision_type not in VISION_TYPES:
+                raise ModelLoadError(f"{cls.__name__}: vision tower {vision_type!r} (config key vision_config.model_type) "
+                                     f"is not supported; supported: {', '.join(VISION_TYPES)}")
+            cls.vision_spec(config)
+            return
+        super().check_config(config)
+
+    @classmethod
+    def read_shape(cls, config) -> DecoderShape:
+        shape = super().read_shape(config)
+        shape.vision = getattr(config, "vision_spec", None)
+        if shape.vision is None:
+            raise ModelLoadError(f"{cls.__name__}: the config has no vision_config")
+        return shape
+
+    # ---- the vision side ----
+
+    def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Each image's [placeholders, hidden] embeddings (images of one size are encoded together)."""
+        pixels = torch.cat([image.pixels["pixel_values"] for image in images])
+        states = self.vision_tower.hidden_states(pixels, max(self.spec.feature_layers))
+        features = torch.cat([states[i] for i in self.spec.feature_layers], dim=-1)
+        if not self.spec.keep_class_token:
+            features = features[:, 1:]
+        projected = self.multi_modal_projector(features)
+        return list(projected.unbind(0))
+
+    @classmethod
+    def image_rows(cls, spec: VisionSpec, pixels: dict) -> int:
+        """How many placeholders (embedding rows) the processor gives one image."""
+        config = spec.config
+        patches = (config.image_size // config.patch_size) ** 2
+        with_class = patches + (config.model_type == "clip_vision_model")
+        return with_class if spec.keep_class_token else with_class - 1

@@ -77,6 +77,9 @@ def decode_image(data: bytes, policy: ImagePolicy, field: str):
                                   f"{policy.max_bytes}", field=field)
     try:
         image = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError as exc:  # PIL's own bound (far above ours) refuses at the header
+        raise InvalidRequestError(f"{field}: the image has more pixels than max_image_pixels {policy.max_pixels} "
+                                  f"({exc})", field=field) from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise InvalidRequestError(f"{field}: not an image this server can decode ({exc})", field=field) from None
     _check_pixels(image.size, policy, field)

@@ -124,14 +124,20 @@ def describe_error(exc: ValidationError) -> str:
     errors = exc.errors(include_url=False, include_input=False)
     # a union reports one error per member: the deepest is the member the input meant (an image part's url)
     first = max(errors, key=lambda e: len(e.get("loc", ())))
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in readable_loc(first.get("loc", ())))
+    return f"{path}: {first['msg']}"
+
+
+def readable_loc(loc: tuple) -> list:
+    """An error's location without pydantic's labels of union members (``str``, ``list[...]``, ``ImageURL``,
+    a discriminator's tag): the path a client wrote."""
     parts: list = []
-    for part in first.get("loc", ()):
+    for part in loc:
         if isinstance(part, str) and (part in _TYPE_LABELS or "[" in part or part[:1].isupper() or
                                       (parts and part == parts[-1])):
-            continue  # pydantic's labels of union members (``str``, ``list[...]``, ``ImageURL``, a tag)
+            continue
         parts.append(part)
-    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts)
-    return f"{path}: {first['msg']}"
+    return parts
 
 
 _TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none"}

@@ -94,6 +94,11 @@ class MultiModalProcessor:
     def expand(self, text: str, images: list, add_special_tokens: bool,
                fields: list[str]) -> tuple[list[int], list[ImageInput]]:
         """Token ids with each image's placeholders expanded, and the images' inputs to the encoder."""
+        placeholder = getattr(self.processor, "image_token", None)
+        if isinstance(placeholder, str) and text.count(placeholder) != len(images):
+            raise InvalidRequestError(f"prompt: the text has {text.count(placeholder)} image placeholder(s) "
+                                      f"{placeholder!r} for {len(images)} image(s); put one where each image goes",
+                                      field="prompt")
         try:
             out = self.processor(text=[text], images=images or None, return_tensors="pt",
                                  add_special_tokens=add_special_tokens)

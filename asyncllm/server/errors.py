@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ..frontend.messages import readable_loc
 from ..errors import (AsyncLLMError, EngineDeadError, EngineOverloadedError, InvalidRequestError, LoRAError,
                       RequestFailedError, RequestTimeoutError)
 
@@ -62,9 +63,14 @@ def from_validation_error(exc: ValidationError) -> APIError:
         return APIError(400, f"the request body must be a JSON object: {first['msg']}")
     message = first["msg"]
     if len(errors) > 1 and all(e["loc"][:1] == loc[:1] for e in errors):
-        # a union field (stop, prompt, content...) fails once per alternative: name the common path
-        loc = _common_prefix([e["loc"] for e in errors])
-        message = "none of the accepted types matches this value"
+        # a union field (stop, prompt, content...) fails once per alternative: name the common path, unless
+        # one alternative got well inside the value (an image part without its url): that is the one meant
+        common = _common_prefix([e["loc"] for e in errors])
+        deepest = max(errors, key=lambda e: len(e["loc"]))
+        if len(readable_loc(deepest["loc"])) >= len(readable_loc(common)) + 2:
+            loc, message = tuple(readable_loc(deepest["loc"])), deepest["msg"]
+        else:
+            loc, message = common, "none of the accepted types matches this value"
     path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
     return APIError(400, f"{path}: {message}", param=str(loc[0]))
 

@@ -1,0 +1,271 @@
+"""Vision-language models (docs/multimodal.md): tiny random-weight LLaVA checkpoints (CLIP and SigLIP
+towers) give transformers' greedy tokens with one and two images, through LLM, AsyncLLM and the server
+(openai SDK image parts); repeated images hit the prefix and encoder caches, different ones never do;
+bad images are 400s naming the part, and decoding a large image leaves the event loop free."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import struct
+import time
+import zlib
+
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+from server_helpers import assert_error, request, serve_in_thread
+
+from asyncllm import LLM, AsyncLLM, SamplingParams
+from asyncllm.errors import InvalidRequestError
+from asyncllm.server import create_app
+from asyncllm.toy.vision import build_vision_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _image(seed: int, size=(40, 50)) -> Image.Image:
+    return Image.fromarray((np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8"))
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _data_url(image: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(_png(image)).decode()
+
+
+def _huge_png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` pixels (its data never needs to be read)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))
+
+
+@pytest.fixture(scope="module", params=["llava", "llava_siglip"])
+def vlm_dir(request, tmp_path_factory):
+    return build_vision_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def reference(vlm_dir):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(vlm_dir)
+
+    def greedy(text: str, images: list, max_new_tokens: int = 8, special: bool = True) -> list[int]:
+        enc = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, enc["input_ids"].shape[1]:].tolist()
+
+    greedy.processor = processor
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def llm(vlm_dir):
+    return LLM(str(vlm_dir), dtype="float32", block_size=4)
+
+
+PROMPTS = [("describe <image> please", [0]), ("first <image> then <image> and", [0, 1])]
+
+
+@pytest.mark.parametrize("text,seeds", PROMPTS, ids=["one-image", "two-images"])
+def test_greedy_equals_transformers(llm, reference, text, seeds):
+    images = [_image(s) for s in seeds]
+    (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
+    assert out.outputs[0].token_ids == reference(text, images)
+    # vLLM's spelling of the same prompt, and the images as PNG bytes
+    (again,) = llm.generate({"prompt": text, "multi_modal_data": {"image": [_png(i) for i in images]}}, GREEDY)
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_chat_image_parts_equal_transformers(llm, reference):
+    images = [_image(3), _image(4, (64, 30))]
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "compare "}, {"type": "image_url", "image_url": {"url": _data_url(images[0])}},
+        {"type": "text", "text": " with "}, {"type": "image", "image": images[1]}]}]
+    text = reference.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "compare "}, {"type": "image"},
+                                      {"type": "text", "text": " with "}, {"type": "image"}]}],
+        add_generation_prompt=True)
+    (out,) = llm.generate(messages, GREEDY)
+    assert out.outputs[0].token_ids == reference(text, images, special=False)
+
+
+def test_chunked_prefill_splits_an_image_and_keeps_the_tokens(vlm_dir, reference):
+    """A prefill budget smaller than an image's 16 placeholders: the image arrives in pieces over steps."""
+    small = LLM(str(vlm_dir), dtype="float32", block_size=4, max_num_batched_tokens=8, max_itl_ms=None)
+    images = [_image(5), _image(6)]
+    text = "one <image> two <image> end"
+    (out,) = small.generate({"prompt": text, "images": images}, GREEDY)
+    assert out.outputs[0].token_ids == reference(text, images)
+    assert small.engine.runner.image_embeddings.images_encoded == 2  # each once, though split over chunks
+
+
+def test_repeated_image_hits_the_caches_and_a_different_one_misses(vlm_dir):
+    llm = LLM(str(vlm_dir), dtype="float32", block_size=4)
+    runner, text = llm.engine.runner, "look <image> at this picture closely"
+    (first,) = llm.generate({"prompt": text, "images": [_image(7)]}, GREEDY)
+    hits = llm.stats()["prefix_cache_hits"]
+    (second,) = llm.generate({"prompt": text, "images": [_image(7)]}, GREEDY)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert second.metrics.num_cached_tokens >= 16 and llm.stats()["prefix_cache_hits"] > hits  # the image's blocks
+    (other,) = llm.generate({"prompt": text, "images": [_image(8)]}, GREEDY)  # same size, other pixels
+    placeholders = [i for i, t in enumerate(other.prompt_token_ids) if t == runner.shape.vision.image_token_id]
+    assert other.metrics.num_cached_tokens <= placeholders[0]  # only the text before the image is shared
+    assert runner.image_embeddings.images_encoded == 2
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_async_stream_and_n_equal_transformers(vlm_dir, reference):
+    images = [_image(9)]
+    text = "stream <image> now"
+    expected = reference(text, images)
+
+    async def main():
+        llm = AsyncLLM(str(vlm_dir), dtype="float32")
+        try:
+            pieces = [t async for t in llm.stream({"prompt": text, "images": images}, GREEDY)]
+            outputs = [o async for o in llm.stream_outputs({"prompt": text, "images": images}, GREEDY)]
+            tokens = (pieces, [t for o in outputs for t in o.outputs[0].token_ids])  # each output: the new tokens
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2)
+            final = await llm.generate({"prompt": text, "images": images}, params)
+            return tokens, final
+        finally:
+            llm.close()
+
+    (pieces, streamed), final = asyncio.run(main())
+    assert streamed == expected
+    assert "".join(pieces) == final.outputs[0].text
+    assert [c.token_ids for c in final.outputs] == [expected, expected]
+
+
+def test_server_image_parts_through_the_openai_sdk(vlm_dir, reference):
+    images = [_image(10), _image(11)]
+    chat = [{"type": "text", "text": "what is "}, {"type": "image_url", "image_url": {"url": _data_url(images[0])}},
+            {"type": "text", "text": " and "}, {"type": "image_url", "image_url": {"url": _data_url(images[1])}}]
+    text = reference.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"},
+                                      {"type": "text", "text": " and "}, {"type": "image"}]}],
+        add_generation_prompt=True)
+    expected = reference.processor.tokenizer.decode(reference(text, images, special=False))
+    llm = AsyncLLM(str(vlm_dir), dtype="float32")
+    try:
+        with serve_in_thread(create_app(llm, model_name="vlm")) as url:
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+                reply = client.chat.completions.create(model="vlm", messages=[{"role": "user", "content": chat}],
+                                                       max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+                assert reply.choices[0].message.content == expected
+                stream = client.chat.completions.create(model="vlm", messages=[{"role": "user", "content": chat}],
+                                                        max_tokens=8, temperature=0, stream=True,
+                                                        extra_body={"ignore_eos": True})
+                assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    finally:
+        llm.close()
+
+
+def _chat_with(part: dict) -> dict:
+    return {"model": "vlm", "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "see "}, part]}]}
+
+
+def test_bad_images_are_400s_naming_the_part(vlm_dir):
+    llm = AsyncLLM(str(vlm_dir), dtype="float32", limit_mm_per_prompt={"image": 2})
+    app = create_app(llm, model_name="vlm")
+    try:
+        truncated = _png(_image(12))[:120]
+        cases = {
+            "truncated": ("data:image/png;base64," + base64.b64encode(truncated).decode(), "cannot be decoded"),
+            "huge": ("data:image/png;base64," + base64.b64encode(_huge_png_header(20000, 20000)).decode(),
+                     "max_image_pixels"),
+            "url": ("http://example.com/cat.png", "fetching image URLs is off"),
+            "file": ("/etc/passwd", "local image files are not allowed"),
+            "not base64": ("data:image/png;base64,@@@", "not valid base64"),
+        }
+        for name, (url, words) in cases.items():
+            error = assert_error(request(app, "POST", "/v1/chat/completions",
+                                         json=_chat_with({"type": "image_url", "image_url": {"url": url}})), 400)
+            assert "messages[0].content[1]" in error["message"] and words in error["message"], (name, error)
+        many = {"type": "image_url", "image_url": {"url": _data_url(_image(13))}}
+        body = _chat_with(many)
+        body["messages"][0]["content"] += [many, many]
+        error = assert_error(request(app, "POST", "/v1/chat/completions", json=body), 400)
+        assert "at most 2 images" in error["message"] and "messages[0].content[3]" in error["message"]
+        error = assert_error(request(app, "POST", "/v1/chat/completions",
+                                     json=_chat_with({"type": "image_url", "image_url": {"uri": "x"}})), 400)
+        assert "messages[0].content[1].image_url.url" in error["message"]
+        assert llm.engine.stats()["kv_blocks_used"] == 0
+    finally:
+        llm.close()
+
+
+def test_python_api_image_errors(llm):
+    with pytest.raises(InvalidRequestError, match=r"prompt.images\[0\]: the image has more pixels than max_image_pixels"):
+        llm.generate({"prompt": "a <image>", "images": [_huge_png_header(20000, 20000)]}, GREEDY)
+    with pytest.raises(InvalidRequestError, match=r"prompt.images\[0\]: the image is 8000 x 6000 pixels"):
+        llm.generate({"prompt": "a <image>", "images": [_huge_png_header(8000, 6000)]}, GREEDY)
+    with pytest.raises(InvalidRequestError, match=r"prompt: the text has 1 image placeholder\(s\) '<image>' for 2 image\(s\)"):
+        llm.generate({"prompt": "only one <image>", "images": [_image(1), _image(2)]}, GREEDY)
+    with pytest.raises(InvalidRequestError, match="unknown key"):
+        llm.generate({"prompt": "a <image>", "image": [_image(1)]}, GREEDY)
+
+
+def test_text_models_refuse_images_by_part(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), dtype="float32")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\].content\[1\]: this model takes no images"):
+        llm.generate(messages, GREEDY)
+    with pytest.raises(InvalidRequestError, match=r"prompt.images\[0\]: this model takes no images"):
+        llm.generate({"prompt": "hi", "images": [_image(1)]}, GREEDY)
+
+
+def test_local_files_under_the_allowed_directory(vlm_dir, tmp_path, reference):
+    path = tmp_path / "cat.png"
+    path.write_bytes(_png(_image(14)))
+    llm = LLM(str(vlm_dir), dtype="float32", allowed_local_media_path=str(tmp_path))
+    (out,) = llm.generate({"prompt": "a <image> b", "images": [str(path)]}, GREEDY)
+    assert out.outputs[0].token_ids == reference("a <image> b", [_image(14)])
+    with pytest.raises(InvalidRequestError, match="outside allowed_local_media_path"):
+        llm.generate({"prompt": "a <image> b", "images": [str(tmp_path / ".." / "x.png")]}, GREEDY)
+
+
+def test_decoding_a_large_image_leaves_the_loop_free(vlm_dir):
+    """A 3000 x 3000 PNG decodes and resizes in the input worker: the loop's ticks never wait 100 ms."""
+    big = _png(_image(15, (3000, 3000)))
+
+    async def main():
+        llm = AsyncLLM(str(vlm_dir), dtype="float32", max_image_bytes=64 * 2**20)
+        try:
+            worst, done = 0.0, False
+
+            async def ticker():
+                nonlocal worst
+                last = time.perf_counter()
+                while not done:
+                    await asyncio.sleep(0.005)
+                    now = time.perf_counter()
+                    worst, last = max(worst, now - last), now
+
+            tick = asyncio.create_task(ticker())
+            await asyncio.sleep(0.05)
+            out = await llm.generate({"prompt": "a <image> b", "images": [big]}, GREEDY)
+            done = True
+            await tick
+            return worst, out
+        finally:
+            llm.close()
+
+    worst, out = asyncio.run(main())
+    assert len(out.outputs[0].token_ids) == 8
+    assert worst < 0.1, f"the loop waited {worst * 1000:.0f} ms"

@@ -269,3 +269,37 @@ def test_decoding_a_large_image_leaves_the_loop_free(vlm_dir):
     worst, out = asyncio.run(main())
     assert len(out.outputs[0].token_ids) == 8
     assert worst < 0.1, f"the loop waited {worst * 1000:.0f} ms"
+
+
+def test_responses_input_image_anthropic_image_blocks_and_token_counts(vlm_dir):
+    """The same picture through /v1/chat/completions, /v1/responses (input_image) and /v1/messages (an
+    Anthropic image block) gives the same greedy text; /tokenize and count_tokens count its placeholders."""
+    image = _image(16)
+    b64 = base64.b64encode(_png(image)).decode()
+    url = "data:image/png;base64," + b64
+    llm = AsyncLLM(str(vlm_dir), dtype="float32")
+    app = create_app(llm, model_name="vlm")
+    try:
+        chat = request(app, "POST", "/v1/chat/completions", json={
+            "model": "vlm", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what is "}, {"type": "image_url", "image_url": {"url": url}}]}]}).json()
+        expected = chat["choices"][0]["message"]["content"]
+        assert expected
+        responses = request(app, "POST", "/v1/responses", json={
+            "model": "vlm", "max_output_tokens": 6, "temperature": 0, "input": [{"role": "user", "content": [
+                {"type": "input_text", "text": "what is "}, {"type": "input_image", "image_url": url}]}]}).json()
+        assert responses["output"][-1]["content"][0]["text"] == expected
+        messages = [{"role": "user", "content": [
+            {"type": "text", "text": "what is "},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}]
+        anthropic = request(app, "POST", "/v1/messages", json={
+            "model": "vlm", "max_tokens": 6, "temperature": 0, "messages": messages}).json()
+        assert anthropic["content"][0]["text"] == expected
+        counted = request(app, "POST", "/v1/messages/count_tokens", json={"model": "vlm", "messages": messages})
+        tokenized = request(app, "POST", "/tokenize", json={"model": "vlm", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is "}, {"type": "image_url", "image_url": {"url": url}}]}]}).json()
+        assert counted.json()["input_tokens"] == tokenized["count"] == chat["usage"]["prompt_tokens"]
+        image_id = llm.engine.runner.shape.vision.image_token_id
+        assert tokenized["tokens"].count(image_id) == 16
+    finally:
+        llm.close()

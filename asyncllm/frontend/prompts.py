@@ -224,3 +224,13 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
         raise InvalidRequestError(
             f"prompt: {num_tokens} tokens, but max_model_len is {max_model_len} "
             "(the prompt plus at least one generated token must fit)", field="prompt")
+
+
+def chat_token_ids(messages: list[dict[str, Any]], tokenizer, tools: list | None, tool_parser: str,
+                   multimodal=None) -> list[int]:
+    """The ids a chat renders to, as /tokenize and Anthropic's count_tokens report them (a vision-language
+    model's images expanded into their placeholders)."""
+    if multimodal is not None:
+        return tokenize_prompt(ChatPrompt(messages), tokenizer, 0, tools, tool_parser, None, multimodal)[1]
+    text = render_chat(messages, tokenizer, tools, tool_parser)
+    return encode_text(tokenizer, text, add_special_tokens=False)

@@ -20,8 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..errors import AsyncLLMError
-from ..frontend.prompts import ChatPrompt, render_chat
-from ..frontend.tokenizing import encode_text
+from ..frontend.prompts import ChatPrompt, chat_token_ids
 from ..outputs import CompletionOutput, RequestOutput
 from .errors import APIError, from_engine_error
 from .protocol import _Request
@@ -52,6 +51,29 @@ class TextBlock(_Request):
     text: str
 
 
+class ImageSource(_Request):
+    type: Literal["base64", "url"]
+    media_type: Optional[str] = None
+    data: Optional[str] = None
+    url: Optional[str] = None
+
+    def as_url(self) -> str:
+        if self.type == "url":
+            if not self.url:
+                raise APIError(400, "source.url: required for a url image source", param="messages")
+            return self.url
+        if not self.data or not self.media_type:
+            raise APIError(400, "source: a base64 image needs media_type and data", param="messages")
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(_Request):
+    """An image for a vision-language model (base64 data or a URL the operator lets the server fetch)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 class ToolUseBlock(_Request):
     type: Literal["tool_use"]
     id: str
@@ -72,7 +94,7 @@ class ToolResultBlock(_Request):
         return f"Error: {text}" if self.is_error else text
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
 
 
 class Message(_Request):
@@ -128,7 +150,12 @@ class CountTokensRequest(_Request):
             # the results answer the assistant turn just before: they come first, then the user's text
             out.extend({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                        for b in blocks if isinstance(b, ToolResultBlock))
-            if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            if any(isinstance(b, ImageBlock) for b in blocks):  # text and images in order, as chat parts
+                out.append({"role": "user", "content": [
+                    {"type": "text", "text": b.text} if isinstance(b, TextBlock)
+                    else {"type": "image_url", "image_url": {"url": b.source.as_url()}}
+                    for b in blocks if isinstance(b, (TextBlock, ImageBlock))]})
+            elif texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 out.append({"role": "user", "content": "\n".join(texts)})
         return out
 
@@ -255,8 +282,8 @@ async def count_tokens(ctx: ServerContext, request: Request) -> Response:
     messages, tools = body.chat_messages(), body.chat_tools()
 
     def run() -> int:  # a chat template renders in the input worker threads, not on the host's loop
-        text = render_chat(messages, ctx.llm.tokenizer, tools, getattr(ctx.llm, "tool_parser", "hermes"))
-        return len(encode_text(ctx.llm.tokenizer, text, add_special_tokens=False))
+        return len(chat_token_ids(messages, ctx.llm.tokenizer, tools, getattr(ctx.llm, "tool_parser", "hermes"),
+                                  getattr(getattr(ctx.llm, "inputs", None), "multimodal", None)))
 
     return JSONResponse({"input_tokens": await ctx.llm.offload(run)})
 

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from ..errors import AsyncLLMError, ConfigError, InvalidRequestError, LoRAError
 from ..frontend.text import check_utf8
 from ..frontend.pooling import POOLINGS
-from ..frontend.prompts import render_chat
+from ..frontend.prompts import chat_token_ids
 from ..frontend.tokenizing import decode_ids, encode_text
 from .anthropic_messages import count_tokens as count_message_tokens, create_message
 from .anthropic_messages import error_response as anthropic_error
@@ -266,9 +266,9 @@ async def tokenize(ctx: ServerContext, request: Request) -> Response:
 
     def run() -> bytes:  # the answer's JSON too is built off the loop: it grows with the input
         if body.messages is not None:
-            text = render_chat([m.to_template_dict() for m in body.messages], tokenizer, body.tools,
-                               getattr(ctx.llm, "tool_parser", "hermes"))
-            ids = encode_text(tokenizer, text, add_special_tokens=False)
+            ids = chat_token_ids([m.to_template_dict() for m in body.messages], tokenizer, body.tools,
+                                 getattr(ctx.llm, "tool_parser", "hermes"),
+                                 getattr(getattr(ctx.llm, "inputs", None), "multimodal", None))
         else:
             try:
                 check_utf8(body.prompt, "prompt")

@@ -146,16 +146,29 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _text_of(content: Any) -> str:
+def _text_of(content: Any) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: its text, or with ``input_image`` parts a list of chat parts
+    (text and ``image_url``) for a vision-language model."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                raise InvalidRequestError("input: only text content parts are supported", field="input")
-            parts.append(part.get("text", ""))
-        return "\n".join(parts)
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "input_image":
+                url = part.get("image_url")
+                if not isinstance(url, str) or not url:
+                    raise InvalidRequestError("input: an input_image part needs an image_url (a data: or http(s) "
+                                              "URL; file_id is not supported)", field="input")
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+            elif kind in ("input_text", "output_text", "text"):
+                parts.append({"type": "text", "text": part.get("text", "")})
+            else:
+                raise InvalidRequestError("input: only text and input_image content parts are supported",
+                                          field="input")
+        if any(p["type"] == "image_url" for p in parts):
+            return parts
+        return "\n".join(p["text"] for p in parts)
     raise InvalidRequestError("input: a message's content must be a string or a list of text parts", field="input")
 
 

@@ -68,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--node-rank", type=int, default=None,
                         help="this machine's place among them: 0 serves, the others only run their ranks")
     engine.add_argument("--seed", type=int, default=None, help="the engine sampler's seed")
+    media = serve.add_argument_group("images, for vision-language models (docs/multimodal.md)")
+    media.add_argument("--limit-mm-per-prompt", type=_json_object, default=None, metavar="JSON",
+                       help='images per prompt, e.g. \'{"image": 4}\' (default 8)')
+    media.add_argument("--max-image-bytes", type=int, default=None, metavar="BYTES",
+                       help="an image's encoded size (default 20 MiB; raise --max-body-bytes for data: URLs too)")
+    media.add_argument("--max-image-pixels", type=int, default=None, metavar="N",
+                       help="width x height of an image (default 40000000)")
+    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="image parts may name files under DIR (default: no files)")
+    media.add_argument("--allowed-media-domains", type=lambda v: [d for d in v.split(",") if d], default=None,
+                       metavar="HOST[,HOST]", help="fetch http(s) image URLs of these hosts ('*': any; default: none)")
+    media.add_argument("--media-fetch-timeout", type=float, default=None, metavar="SECONDS",
+                       help="one image download in all (default 10)")
+    media.add_argument("--image-cache-memory", type=int, default=None, metavar="BYTES",
+                       help="vision-encoder outputs kept by image content (default 256 MiB)")
     scale = serve.add_argument_group("replicas (docs/scaling.md)")
     scale.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                        help="serve N engine replicas through Ray Serve, routed with prefix-cache affinity "
@@ -167,3 +182,16 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _json_object(value: str) -> dict:
+    """A JSON object argument (``--limit-mm-per-prompt``)."""
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return parsed

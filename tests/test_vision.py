@@ -303,3 +303,99 @@ def test_responses_input_image_anthropic_image_blocks_and_token_counts(vlm_dir):
         assert tokenized["tokens"].count(image_id) == 16
     finally:
         llm.close()
+
+
+def _language_lora(vlm_dir, out_dir, targets=r".*language_model.*\.(q_proj|v_proj)"):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(3)
+    base = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name:
+                param.mul_(3.0)  # large enough to change greedy tokens
+    model.save_pretrained(out_dir)
+    return model
+
+
+def test_lora_on_the_language_model_equals_peft_merged(vlm_dir, reference, tmp_path):
+    from asyncllm import LoRARequest
+
+    peft_model = _language_lora(vlm_dir, tmp_path / "adapter")
+    merged = peft_model.merge_and_unload().eval()
+    images, text = [_image(17)], "adapt <image> this"
+    enc = reference.processor(text=[text], images=images, return_tensors="pt")
+    with torch.no_grad():
+        expected = merged.generate(**enc, max_new_tokens=8, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    llm = LLM(str(vlm_dir), dtype="float32")
+    prompt = {"prompt": text, "images": images}
+    (base,) = llm.generate(prompt, GREEDY)
+    (adapted,) = llm.generate(prompt, GREEDY, lora=LoRARequest("lang", str(tmp_path / "adapter")))
+    assert adapted.outputs[0].token_ids == expected != base.outputs[0].token_ids
+    _language_lora(vlm_dir, tmp_path / "tower", targets=["q_proj", "v_proj"])  # the tower's too
+    with pytest.raises(Exception, match="adapts the vision side"):
+        llm.generate(prompt, GREEDY, lora=LoRARequest("tower", str(tmp_path / "tower")))
+
+
+def test_tp2_with_images_equals_transformers(vlm_dir, reference):
+    images = [_image(18), _image(19)]
+    text = "split <image> over <image> ranks"
+    with LLM(str(vlm_dir), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+             kv_cache_memory=4 << 20, block_size=4) as llm:
+        (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
+        assert out.outputs[0].token_ids == reference(text, images)
+        assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_structured_output_with_an_image(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, choice=["cat", "dog", "bird"])
+    (out,) = llm.generate({"prompt": "which animal <image> is it?", "images": [_image(20)]}, params)
+    assert out.outputs[0].text in ("cat", "dog", "bird")
+
+
+def test_describe_image_example_streams_the_greedy_answer(vlm_dir, tmp_path, llm, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "describe_image.py"
+    spec = importlib.util.spec_from_file_location("describe_image", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    image = tmp_path / "picture.png"
+    image.write_bytes(_png(_image(21)))
+    text = asyncio.run(example.describe(str(vlm_dir), str(image), "What is this?", max_tokens=10))
+    (expected,) = llm.generate(example.image_message(str(image), "What is this?"),
+                               SamplingParams(temperature=0, max_tokens=10))
+    assert text == expected.outputs[0].text and text in capsys.readouterr().out
+
+
+def test_serve_flags_reach_the_image_limits():
+    from asyncllm.cli import build_parser
+    from asyncllm.server.serve_spec import engine_extras
+
+    args = build_parser().parse_args(["serve", "model", "--limit-mm-per-prompt", '{"image": 2}',
+                                      "--allowed-media-domains", "img.example.com,cdn.example.org",
+                                      "--max-image-pixels", "1000000", "--media-fetch-timeout", "2.5"])
+    assert engine_extras(args) == {"limit_mm_per_prompt": {"image": 2}, "max_image_pixels": 1000000,
+                                   "allowed_media_domains": ["img.example.com", "cdn.example.org"],
+                                   "media_fetch_timeout": 2.5}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "model", "--limit-mm-per-prompt", "[1]"])
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(limit_mm_per_prompt={"video": 1}), "limit_mm_per_prompt"),
+    (dict(limit_mm_per_prompt={"image": -1}), "limit_mm_per_prompt"),
+    (dict(max_image_pixels=0), "max_image_pixels"),
+    (dict(media_fetch_timeout=float("inf")), "media_fetch_timeout"),
+    (dict(allowed_media_domains="example.com"), "allowed_media_domains"),
+    (dict(allowed_local_media_path="/no/such/dir"), "allowed_local_media_path"),
+])
+def test_bad_media_arguments_name_themselves(kwargs, name):
+    from asyncllm.config import EngineConfig
+    from asyncllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=name):
+        EngineConfig.from_kwargs("model", kwargs)

@@ -21,6 +21,7 @@ from ..model.registry import LLAMA_LORA_TARGETS, architecture_named
 from ..model.shape import DecoderShape
 
 TARGETS = LLAMA_LORA_TARGETS  # the modules the slots (adapters/slots.py) can apply LoRA to
+_VISION_MODULES = ("vision_tower", "vision_model", "multi_modal_projector", "visual")  # vision-language models
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "layers_to_transform": "layers_to_transform"}
 _ids = itertools.count(1)
@@ -155,6 +156,8 @@ def _check_config_types(root: Path, config: object) -> None:
 def _targets(name: str, config: dict, allowed: tuple[str, ...]) -> list[str]:
     """The adapter's target modules, each one the architecture takes LoRA on (model/registry.py)."""
     raw = config.get("target_modules") or []
+    if isinstance(raw, str) and not re.fullmatch(r"[\w.]+", raw):
+        return [raw]  # PEFT's regex form (".*language_model.*(q_proj|v_proj)"): the tensors are checked one by one
     targets = [raw] if isinstance(raw, str) else list(raw)
     unknown = [t for t in targets if t.split(".")[-1] not in allowed]
     if unknown:
@@ -168,6 +171,9 @@ def _read_tensors(name: str, file: Path) -> dict[tuple[int, str], dict[str, torc
     try:
         with safe_open(file, framework="pt") as reader:
             for key in reader.keys():
+                if any(part in key.split(".") for part in _VISION_MODULES):
+                    raise LoRAError(f"adapter {name!r}: {key!r} adapts the vision side; adapters go on the language "
+                                    "model only (target_modules like '.*language_model.*(q_proj|v_proj)')")
                 match = _KEY.search(key)
                 if match is None:
                     raise LoRAError(f"adapter {name!r}: unexpected tensor {key!r}")

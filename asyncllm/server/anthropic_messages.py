@@ -57,13 +57,14 @@ class ImageSource(_Request):
     data: Optional[str] = None
     url: Optional[str] = None
 
-    def as_url(self) -> str:
+    def as_url(self, field: str) -> str:
+        """The source as an image URL (a data: URL for base64); ``field``: the block's path, for errors."""
         if self.type == "url":
             if not self.url:
-                raise APIError(400, "source.url: required for a url image source", param="messages")
+                raise APIError(400, f"{field}.source.url: required for a url image source", param="messages")
             return self.url
         if not self.data or not self.media_type:
-            raise APIError(400, "source: a base64 image needs media_type and data", param="messages")
+            raise APIError(400, f"{field}.source: a base64 image needs media_type and data", param="messages")
         return f"data:{self.media_type};base64,{self.data}"
 
 
@@ -153,8 +154,8 @@ class CountTokensRequest(_Request):
             if any(isinstance(b, ImageBlock) for b in blocks):  # text and images in order, as chat parts
                 out.append({"role": "user", "content": [
                     {"type": "text", "text": b.text} if isinstance(b, TextBlock)
-                    else {"type": "image_url", "image_url": {"url": b.source.as_url()}}
-                    for b in blocks if isinstance(b, (TextBlock, ImageBlock))]})
+                    else {"type": "image_url", "image_url": {"url": b.source.as_url(f"messages[{i}].content[{j}]")}}
+                    for j, b in enumerate(blocks) if isinstance(b, (TextBlock, ImageBlock))]})
             elif texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 out.append({"role": "user", "content": "\n".join(texts)})
         return out

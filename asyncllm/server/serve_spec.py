@@ -78,7 +78,9 @@ class ServeSpec:
 
 ENGINE_EXTRAS = ("block_size", "enable_prefix_caching", "max_loras", "max_lora_rank", "max_cpu_loras",
                  "attention_backend", "model_impl", "enable_cuda_graphs", "tensor_parallel_size",
-                 "enable_expert_parallel", "nnodes", "node_rank", "seed")
+                 "enable_expert_parallel", "nnodes", "node_rank", "seed", "limit_mm_per_prompt", "max_image_bytes",
+                 "max_image_pixels", "allowed_local_media_path", "allowed_media_domains", "media_fetch_timeout",
+                 "image_cache_memory")
 
 
 def engine_extras(args) -> dict:

@@ -14,6 +14,20 @@ from .server.http_limits import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_S,
 from .server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BATCH_INPUTS, DEFAULT_MAX_BODY_BYTES
 
 
+
+def _json_object(value: str) -> dict:
+    """A JSON object argument (``--limit-mm-per-prompt``)."""
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncllm", description="asyncllm: embeddable LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -182,16 +196,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _json_object(value: str) -> dict:
-    """A JSON object argument (``--limit-mm-per-prompt``)."""
-    import json
-
-    try:
-        parsed = json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return parsed

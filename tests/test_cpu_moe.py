@@ -196,6 +196,30 @@ def test_other_builds_match_grouped_experts(tmp_path, build):
 # ---- a whole model --------------------------------------------------------------------------------------------
 
 @needs_c_kernel
+@pytest.mark.parametrize("router,top_k,renormalize,bias", [
+    ("softmax_topk", 8, True, False), ("softmax_topk", 2, False, False), ("softmax_topk", 1, True, False),
+    ("topk_softmax", 4, False, True), ("topk_softmax", 1, False, False)])
+def test_routing_kernel_equals_route(router, top_k, renormalize, bias):
+    """The C router picks the experts torch's route() picks, with the same weights (float32 rounding aside)."""
+    torch.manual_seed(5)
+    tokens, hidden, experts = 33, 96, 64
+    moe = MoEShape(num_experts=experts, top_k=top_k, intermediate_size=32, router=router, renormalize=renormalize,
+                   router_bias=bias)
+    x, w = torch.randn(tokens, hidden), torch.randn(experts, hidden) * 0.3
+    b = torch.randn(experts) if bias else None
+    weights, ids = cpu_moe.route_cpu(x, w, b, moe)
+    expected_weights, expected_ids = route(torch.nn.functional.linear(x, w, b), moe)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
+    assert ids.dtype is torch.int64 and weights.dtype is torch.float32
+    # what it leaves to torch: grouped or corrected choices, scaled weights, sigmoid routers, other dtypes
+    assert cpu_moe.route_cpu(x, w, b, MoEShape(num_experts=experts, top_k=top_k, intermediate_size=32,
+                                                router="sigmoid_topk")) is None
+    assert cpu_moe.route_cpu(x, w, b, MoEShape(num_experts=experts, top_k=top_k, intermediate_size=32,
+                                                router=router, routed_scaling=2.5)) is None
+    assert cpu_moe.route_cpu(x.double(), w.double(), None, moe) is None
+
+
 def test_qwen3_moe_with_the_kernel_equals_transformers(model_dir_factory, monkeypatch):
     model_dir = model_dir_factory("qwen3_moe")
     prompts = random_prompts("qwen3_moe", [1, 5, 9, 17, 40])

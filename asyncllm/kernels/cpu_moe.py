@@ -32,7 +32,11 @@ _SIGNATURES = (
     ("moe_experts_f32", (_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                          _int, _f32, _f32, _int, _ptr, _int, _int), _int),
     ("moe_experts_isa", (), _int),
+    ("moe_route_f32", (_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _int, _int, _ptr, _ptr, _int), _int),
 )
+# MoEShape.router -> the routing kernel's scheme (the others stay in torch: model/moe.py route())
+ROUTER_SCHEMES = {"softmax_topk": 0, "topk_softmax": 1}
+MAX_ROUTED_EXPERTS = 1024
 SILU, CLAMPED = 0, 1
 # MoEShape.activation -> the kernel's activation kind
 ACTIVATIONS = {"silu": SILU, "swiglu_clamped": CLAMPED}
@@ -152,3 +156,28 @@ def stack_experts_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         return None
     return moe_experts_cpu(x, weights, ids, stack.w13, stack.w2, activation, stack.first_expert, stack.b13,
                            stack.b2, moe.weights_on_input, moe.swiglu_alpha, moe.swiglu_limit)
+
+
+def route_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, moe) -> tuple | None:
+    """``route(x @ weight.T + bias)`` (model/moe.py) by the C kernel: (float32 weights [T, k], int64 ids [T, k]),
+    or None where it does not run (other routers, grouped or corrected choices, scaled weights, dtypes)."""
+    scheme = ROUTER_SCHEMES.get(moe.router)
+    if (scheme is None or moe.num_groups > 1 or moe.score_correction_bias or moe.routed_scaling != 1.0
+            or x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or not _usable(weight, tuple(weight.shape))
+            or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] > MAX_ROUTED_EXPERTS
+            or not _usable(bias, (weight.shape[0],)) or (torch.is_grad_enabled() and x.requires_grad)):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.contiguous()
+    tokens, k = x.shape[0], moe.top_k
+    ids = torch.empty(tokens, k, dtype=torch.int64)
+    weights = torch.empty(tokens, k, dtype=torch.float32)
+    rc = lib.moe_route_f32(x.data_ptr(), tokens, x.shape[1], x.stride(0), weight.data_ptr(),
+                           None if bias is None else bias.data_ptr(), weight.shape[0], k, scheme,
+                           int(moe.renormalize), ids.data_ptr(), weights.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError("the mixture-of-experts routing kernel got bad shapes")
+    return weights, ids

@@ -184,6 +184,14 @@ class MoERouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..kernels.ops import use_cpu
+
+        if use_cpu(x):  # the CPU path: projection, softmax, top-k and renormalisation in one C call
+            from ..kernels.cpu_moe import route_cpu
+
+            routed = route_cpu(x, self.weight, self.bias, self.moe)
+            if routed is not None:
+                return routed
         if self.moe.router == "sigmoid_topk":  # DeepSeek V3 scores in float32 whatever the model's dtype
             logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         else:

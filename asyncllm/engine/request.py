@@ -43,6 +43,7 @@ class EngineRequest:
     bad_words_ids: list[list[int]] | None = None  # SamplingParams.bad_words as token id sequences
     pooling: str | None = None          # an embedding request: "last" or "mean" over the prompt; nothing sampled
     images: list = field(default_factory=list)  # ImageInput (model/step_io.py) per image, in prompt order
+    mrope: Any = None                   # M-RoPE families, a prompt with images: its MRopePositions (model/mrope.py)
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.cache_salt is None:

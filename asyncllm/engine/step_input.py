@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..model.mrope import step_rope_positions
 from ..model.step_io import ImageRows, StepInput
 from .block_tables import BlockTableRows
 from .scheduler import ScheduledBatch
@@ -23,11 +24,15 @@ def step_input_of(batch: ScheduledBatch, logit_rows: list[int], tables: BlockTab
             token_ids.extend(seq.draft_tokens[:n - len(chunk)])
         starts.append(start)
     rows, updates = tables.describe(batch.seqs)
+    mrope = [seq.request.mrope for seq in batch.seqs]
+    rope_positions = (step_rope_positions(mrope, starts, list(batch.num_new_tokens))
+                      if any(m is not None for m in mrope) else None)
     return StepInput(token_ids=token_ids, start_positions=starts, num_new_tokens=list(batch.num_new_tokens),
                      block_tables=None, logit_rows=list(logit_rows), table_rows=rows, table_updates=updates,
                      block_copies=list(batch.block_copies), loras=[seq.request.lora for seq in batch.seqs],
                      loras_in_use=set(batch.loras_in_use), pool_rows=list(pool_rows),
-                     prompt_lens=[len(seq.request.prompt_token_ids) for seq in batch.seqs], images=images)
+                     prompt_lens=[len(seq.request.prompt_token_ids) for seq in batch.seqs], images=images,
+                     rope_positions=rope_positions)
 
 
 def _image_rows(images: list, start: int, n: int, first_row: int) -> list[ImageRows]:

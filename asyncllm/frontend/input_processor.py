@@ -98,6 +98,8 @@ class InputProcessor:
             request.bad_words_ids = self._bad_words_ids(params.bad_words)
         request.pooling = pooling
         request.images = images
+        if images:  # M-RoPE families: the prompt's 3-D positions, computed here once (model/mrope.py)
+            request.mrope = self.multimodal.mrope_positions(len(ids), images)
         if self.check_fits is not None:
             self.check_fits(request)
         return text, request

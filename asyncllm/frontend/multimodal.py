@@ -74,15 +74,12 @@ class MultiModalProcessor:
     """A vision-language model's processor, its image placeholder and the operator's image limits."""
 
     def __init__(self, model_dir, model_class, spec, policy: ImagePolicy) -> None:
-        from transformers import AutoProcessor
+        from .processor_loading import load_processor
 
-        try:
-            self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-        except Exception as exc:  # transformers raises many types here
-            from ..errors import ModelLoadError
-
-            raise ModelLoadError(f"cannot load the image processor from {model_dir}: {exc}") from exc
+        self.processor = load_processor(model_dir)
         self.model_class, self.spec, self.policy = model_class, spec, policy
+        # dynamic-resolution families stack every image's patches in one tensor: they cut it themselves
+        self._split = getattr(model_class, "image_pixels", None) or self.split_pixels
         self.image_token_id = spec.image_token_id
 
     def load_images(self, sources: list[tuple[Any, str]]) -> list:
@@ -105,7 +102,10 @@ class MultiModalProcessor:
         except ValueError as exc:  # e.g. the text's placeholders and the images do not match in number
             raise InvalidRequestError(f"prompt: {exc}", field="prompt") from None
         ids = out["input_ids"][0].tolist()
-        pixels = self.split_pixels(out, len(images))
+        try:
+            pixels = self._split(out, len(images))
+        except ValueError as exc:
+            raise InvalidRequestError(f"prompt: {exc}", field="prompt") from None
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         items, cursor = [], 0
         for index, image_pixels in enumerate(pixels):
@@ -120,6 +120,12 @@ class MultiModalProcessor:
             raise InvalidRequestError(f"prompt: {len(positions) - cursor} image placeholder tokens without an image",
                                       field="prompt")
         return ids, items
+
+    def mrope_positions(self, num_tokens: int, images: list[ImageInput]):
+        """The M-RoPE positions of a prompt with ``images`` (model/mrope.py), for the families that rotate by
+        them; None for the others and for a prompt without images (its positions are plain)."""
+        hook = getattr(self.model_class, "mrope_positions", None)
+        return hook(self.spec, num_tokens, images) if hook is not None and images else None
 
     @staticmethod
     def split_pixels(out, count: int) -> list[dict[str, torch.Tensor]]:

@@ -231,3 +231,47 @@ def _token_seq_lens(meta, num_tokens: int) -> torch.Tensor:
         return lengths
     counts = meta.query_start_tensor[1:] - meta.query_start_tensor[:-1]
     return torch.repeat_interleave(lengths, counts, output_size=num_tokens)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL, Qwen2.5-VL): the rotary frequencies split in three sections (``mrope_section``,
+    the config's rope parameters), rotated by a token's temporal, height and width positions.
+
+    Given [tokens] positions (text, decode steps: the three are equal) it is plain rope over the same
+    tables, on the fused kernels, the CPU decode stack and CUDA graphs; given [3, tokens] (a prefill with an
+    image's tokens, model/mrope.py) each frequency's cos/sin row comes from its own section's position."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, sections) -> None:
+        super().__init__(inv_freq, scaling, max_positions)
+        self.sections = tuple(int(s) for s in sections)
+        if len(self.sections) != 3 or sum(self.sections) != inv_freq.numel() or min(self.sections) < 0:
+            raise ModelLoadError(f"mrope_section {list(self.sections)} (config key rope_parameters.mrope_section) "
+                                 f"must be 3 sizes adding up to {inv_freq.numel()}, half the head dimension")
+        self._component = None
+
+    @classmethod
+    def from_config(cls, config, head_dim: int, max_positions: int, **_) -> "MRotaryEmbedding":
+        params = rope_parameters(config)
+        if rope_type_of(params) not in ("default", "mrope"):
+            raise ModelLoadError(f"rope type {rope_type_of(params)!r} (config key rope_parameters.rope_type) is not "
+                                 "supported with M-RoPE; supported: default")
+        if "mrope_section" not in params:
+            raise ModelLoadError("the config has no rope_parameters.mrope_section (M-RoPE's split of the rotary "
+                                 "dimensions into temporal, height and width)")
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return cls(default_inv_freq(base, head_dim), 1.0, max_positions, params["mrope_section"])
+
+    def build(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().build(device, dtype)
+        # per rotated dimension, the position component (0 temporal, 1 height, 2 width) of its frequency
+        half = torch.repeat_interleave(torch.arange(3), torch.tensor(self.sections))
+        self._component = torch.cat([half, half]).to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                meta=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k, meta)
+        index = self._component.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos = self.cos[positions].gather(0, index).squeeze(0)  # [3, tokens, dim] -> [tokens, dim]
+        sin = self.sin[positions].gather(0, index).squeeze(0)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -375,13 +375,22 @@ class ModelRunner:
             buffer[row, start:start + len(blocks)] = blocks
 
     def _prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, "_Gathers"]:
-        # a step with image rows runs the model eagerly, which needs the backend's plans (the staged path)
-        if step.table_rows is not None and self._host_decode_path and not step.images:
+        # a step with image rows runs the model eagerly, which needs the backend's plans (the staged path);
+        # so does one with 3-D (M-RoPE) positions: only the eager rotary takes them
+        rope = step.rope_positions
+        if (step.table_rows is not None and self._host_decode_path and not step.images
+                and (rope is None or rope.ndim == 1)):
             if all(n == 1 for n in step.num_new_tokens):
-                return (*self._prepare_rows(step, chained=False), _Gathers.of(step, self.device))
+                return self._host_rows(step, chained=False)
             if self._fits_chained(step):
-                return (*self._prepare_rows(step, chained=True), _Gathers.of(step, self.device))
+                return self._host_rows(step, chained=True)
         return self._prepare_staged(step)
+
+    def _host_rows(self, step: StepInput, chained: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, "_Gathers"]:
+        ids, positions, meta = self._prepare_rows(step, chained)
+        if step.rope_positions is not None:  # M-RoPE: rope rotates by the sequence position + the prompt's delta
+            positions = torch.from_numpy(step.rope_positions)
+        return ids, positions, meta, _Gathers.of(step, self.device)
 
     @property
     def _host_decode_path(self) -> bool:
@@ -407,9 +416,12 @@ class ModelRunner:
         rope_lens = None
         if self.length_dependent_rope and step.prompt_lens is not None:
             rope_lens = np.maximum(seq_lens, np.asarray(step.prompt_lens, dtype=np.int64))
-        arrays = [step.token_ids, positions, slots, seq_lens, query_start, tables, logit_index or [], step.pool_rows,
+        rotary = positions if step.rope_positions is None else step.rope_positions  # M-RoPE: what rope rotates by
+        arrays = [step.token_ids, rotary, slots, seq_lens, query_start, tables, logit_index or [], step.pool_rows,
                   rope_lens if rope_lens is not None else []]
         ids, pos, slot_mapping, lens, starts_t, tables_t, logit_t, pool_t, rope_t = stage(arrays, self.device)
+        if rotary.ndim == 2:
+            pos = pos.view(3, -1)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start=query_start.tolist(), seq_lens=seq_lens.tolist(),
             block_tables=tables_t.view(step.num_seqs, max_blocks), seq_lens_tensor=lens,

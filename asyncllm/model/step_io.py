@@ -56,6 +56,9 @@ class StepInput:
     pool_rows: list[int] = field(default_factory=list)  # flat positions whose final hidden states are kept
     prompt_lens: list[int] | None = None  # per sequence: its prompt's length (length-dependent rope reads it)
     images: list[ImageRows] = field(default_factory=list)  # image embeddings in place of placeholder tokens
+    # M-RoPE families (model/mrope.py) with an image prompt in the step: the rotary positions, [tokens] or
+    # [3, tokens] (an image's height/width positions), where they differ from the sequence positions; None: equal
+    rope_positions: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,9 +1,13 @@
-"""Tiny random-weight vision-language checkpoints (LLaVA with a CLIP or a SigLIP tower), with a processor.
+"""Tiny random-weight vision-language checkpoints (LLaVA with a CLIP or a SigLIP tower; Qwen2-VL and
+Qwen2.5-VL), with a processor.
 
 Each directory holds what a hub checkpoint holds: config.json, model.safetensors, the tokenizer (the
-local toy tokenizer plus the ``<image>`` token), the image processor's config and a chat template
-that renders image parts, so ``AutoProcessor`` and transformers' ``generate`` read it as they read a
-real one. Images are 28 x 28 pixels in patches of 7: 16 patches, 16 image tokens per image.
+local toy tokenizer plus the image tokens), the image processor's config and a chat template that
+renders image parts, so ``AutoProcessor`` and transformers' ``generate`` read it as they read a real
+one. LLaVA: images are 28 x 28 pixels in patches of 7: 16 patches, 16 image tokens per image.
+Qwen2-VL / Qwen2.5-VL: dynamic resolution, patches of 14 merged 2 x 2 into one token, so a 56 x 56
+image is 4 tokens and a 112 x 84 one 12; the 2.5 tower's attention windows are 56 pixels (2 x 2
+tokens), so its larger images span several windows.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from .checkpoints import INIT_STD, LOGIT_SCALE, _COMMON, _quiet_progress_bars
 from .tokenizer import build_tokenizer
 
 IMAGE_TOKEN = "<image>"
-VISION_KINDS = ("llava", "llava_siglip")
+VISION_KINDS = ("llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl")
+QWEN_VL_KINDS = ("qwen2_vl", "qwen2_5_vl")
 IMAGE_SIZE, PATCH_SIZE = 28, 7
 # renders {"type": "image"} parts as the placeholder, text parts as their text
 VISION_CHAT_TEMPLATE = (
@@ -36,6 +41,8 @@ def build_vision_checkpoint(kind: str, out_dir: Path, seed: int = 0, **text_over
 
     if kind not in VISION_KINDS:
         raise ValueError(f"unknown vision checkpoint kind {kind!r}; expected one of {VISION_KINDS}")
+    if kind in QWEN_VL_KINDS:
+        return _build_qwen_vl(kind, Path(out_dir), seed, **text_overrides)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out_dir)
@@ -65,6 +72,79 @@ def build_vision_checkpoint(kind: str, out_dir: Path, seed: int = 0, **text_over
     processor.save_pretrained(out_dir)
     _no_unknown_token(out_dir)
     return out_dir
+
+
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL's layout of an image part: the pad token between the vision markers (the processor repeats the pad)
+QWEN_VL_CHAT_TEMPLATE = VISION_CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+QWEN_PATCH, QWEN_WINDOW = 14, 56
+
+
+def _build_qwen_vl(kind: str, out_dir: Path, seed: int, **text_overrides) -> Path:
+    """A Qwen2-VL or Qwen2.5-VL checkpoint: the Qwen2 decoder with M-RoPE (sections 2/3/3 of its 8
+    rotary frequencies), a 2-block (2.5: 3-block, the middle one full attention) vision tower."""
+    from transformers import (Qwen2VLImageProcessorPil, Qwen2_5_VLConfig,
+                              Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen2VLProcessor)
+
+    from transformers.utils import is_torchvision_available
+
+    from ..frontend.processor_loading import image_only
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *QWEN_TOKENS]})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
+    text = {**_COMMON, "vocab_size": max(ids.values()) + 16, "num_key_value_heads": 2, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            **text_overrides}
+    text.pop("dtype")
+    hidden = text["hidden_size"]
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if kind == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=hidden, mlp_ratio=2, num_heads=4, patch_size=QWEN_PATCH)
+        config, model_cls, processor_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    else:
+        vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=hidden,
+                      patch_size=QWEN_PATCH, window_size=QWEN_WINDOW, fullatt_block_indexes=[1])
+        config, model_cls, processor_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    config = config(text_config=text, vision_config=vision, dtype="float32", **tokens)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    _qwen_weights(model, seed)
+    with _quiet_progress_bars():
+        model.save_pretrained(out_dir)
+    # at most 224 x 224 pixels (256 patches): test images stay a few tokens
+    pixels = dict(min_pixels=56 * 56, max_pixels=224 * 224, patch_size=QWEN_PATCH)
+    parts = dict(image_processor=Qwen2VLImageProcessorPil(**pixels), tokenizer=tokenizer,
+                 chat_template=QWEN_VL_CHAT_TEMPLATE)
+    if is_torchvision_available():
+        from transformers import Qwen2VLVideoProcessor
+
+        processor = processor_cls(video_processor=Qwen2VLVideoProcessor(**pixels), **parts)
+    else:  # transformers' video processors need torchvision: the processor without one (frontend/processor_loading.py)
+        processor = image_only(processor_cls)(**parts)
+    processor.save_pretrained(out_dir)
+    _no_unknown_token(out_dir)
+    return out_dir
+
+
+@torch.no_grad()
+def _qwen_weights(model, seed: int) -> None:
+    """As ``_peaked``, for Qwen's names; the patch convolution (1176 inputs) drawn small enough that the
+    tower's first norm sees values of order one."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name or "ln_q" in name:
+            p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        elif "patch_embed" in name:
+            p.copy_(0.03 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(INIT_STD * torch.randn(p.shape, generator=gen))
+    model.model.language_model.norm.weight.mul_(LOGIT_SCALE)
 
 
 @torch.no_grad()

@@ -52,6 +52,7 @@ class EngineConfig:
     allowed_media_domains: list | None = None  # http(s) image URLs of these hosts are fetched ("*": any); None: none
     media_fetch_timeout: float = 10.0          # seconds for one image download
     image_cache_memory: int = 256 * 2**20      # bytes of encoder outputs kept by image content hash
+    encoder_token_budget: int | None = None    # image rows one step may start encoding (None: the step's token budget)
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict[str, Any]) -> "EngineConfig":
@@ -125,6 +126,10 @@ class EngineConfig:
             count = limit.get("image", 8)
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:
                 raise ConfigError(f"limit_mm_per_prompt['image'] must be a non-negative integer, got {count!r}")
+        if self.encoder_token_budget is not None and (not isinstance(self.encoder_token_budget, int)
+                                                      or isinstance(self.encoder_token_budget, bool)
+                                                      or self.encoder_token_budget < 1):
+            raise ConfigError(f"encoder_token_budget must be a positive integer or None, got {self.encoder_token_budget!r}")
         for name in ("max_image_bytes", "max_image_pixels", "image_cache_memory"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -101,8 +101,11 @@ class EngineCore:
         window = max(windows) if windows and all(w is not None for w in windows) else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window)
         step_budget = StepBudget(self.step_time, config.max_itl_ms) if config.max_itl_ms is not None else None
+        vision = getattr(self.runner.shape, "vision", None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.token_budget, config.max_loras, step_budget,
-                                   prompt_logprob_rows(self.vocab_size))
+                                   prompt_logprob_rows(self.vocab_size),
+                                   whole_images=bool(getattr(vision, "bidirectional", False)),
+                                   encoder_budget=config.encoder_token_budget or self.token_budget)
         self.block_table_rows = BlockTableRows(config.max_num_seqs)
 
     def reset(self) -> None:

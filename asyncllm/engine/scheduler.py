@@ -139,9 +139,13 @@ LORA_MAX_SKIPPED_STEPS = 16
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int = 8, step_budget: StepBudget | None = None,
-                 max_prompt_logprob_rows: int | None = None) -> None:
+                 max_prompt_logprob_rows: int | None = None, whole_images: bool = False,
+                 encoder_budget: int | None = None) -> None:
         """``max_prompt_logprob_rows``: prompt positions whose logprobs one step may compute, over
-        all sequences (``prompt_logprob_rows``); None: unbounded."""
+        all sequences (``prompt_logprob_rows``); None: unbounded. ``whole_images``: an image's rows are
+        computed in one step and a cached prefix never ends inside one (models attending inside an image
+        both ways: Gemma 3). ``encoder_budget``: image rows whose encoding one step may start (the
+        first image of a step always goes; None: unbounded)."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -154,6 +158,9 @@ class Scheduler:
         self._preempted_this_step: set[Sequence] = set()
         self.max_prompt_logprob_rows = max_prompt_logprob_rows
         self._prompt_logprob_rows_left = 0  # of this step's bound
+        self.whole_images = whole_images
+        self.encoder_budget = encoder_budget
+        self._encoder_rows = 0  # image rows this step starts
 
     @property
     def num_seats_taken(self) -> int:
@@ -172,6 +179,7 @@ class Scheduler:
         batch = ScheduledBatch()
         self._preempted_this_step = set()
         self._prompt_logprob_rows_left = self.max_prompt_logprob_rows or 0
+        self._encoder_rows = 0
         preempted, prefilling = self._schedule_decodes(batch)
         allowance = self._prefill_allowance(batch, prefilling)
         preempted = self._schedule_running_prefills(batch, prefilling, allowance) or preempted
@@ -251,10 +259,14 @@ class Scheduler:
             num_new = allowance.grant(context, wanted)
             if num_new <= 0:
                 break
+            num_new = self._fit_images(seq, context, num_new)
+            if num_new <= 0:  # an image waits for the next step's encoder budget
+                continue
             if self._allocate_running(seq, num_new, batch):
                 batch.add(seq, num_new)
                 allowance.spend(context, num_new)
                 self._spend_prompt_logprob_rows(seq, context, num_new)
+                self._spend_encoder_rows(seq, context, num_new)
             else:
                 preempted = True
         return preempted
@@ -312,9 +324,11 @@ class Scheduler:
         while True:
             if self.num_seats_taken + seats <= self.max_num_seqs:
                 fresh = seq.num_computed_tokens == 0 and not seq.block_table
-                cached = self.kv.find_cached_prefix(seq) if fresh else []
+                cached = self._outside_images(seq, self.kv.find_cached_prefix(seq)) if fresh else []
                 context = len(cached) * self.kv.block_size if fresh else seq.num_computed_tokens
                 num_new = allowance.grant(context, self._prompt_logprob_limit(seq, context, seq.num_tokens - context))
+                if num_new > 0:
+                    num_new = self._fit_images(seq, context, num_new)
                 if num_new <= 0:
                     return None
                 if self.kv.allocate(seq, num_new, cached):
@@ -329,7 +343,44 @@ class Scheduler:
         self.num_reserved += len(seq.pending_children)
         allowance.spend(context, num_new)
         self._spend_prompt_logprob_rows(seq, context, num_new)
+        self._spend_encoder_rows(seq, context, num_new)
         return num_new
+
+    def _fit_images(self, seq: Sequence, context: int, num_new: int) -> int:
+        """A prompt chunk of ``num_new`` tokens after ``context`` cut to the images' rules: it stops before an
+        image whose encoding the step's encoder budget cannot take (unless it is the step's first), and under
+        ``whole_images`` before an image it would split, or is stretched to the end of one it starts with."""
+        images = seq.request.images
+        if not images or context >= seq.num_prompt_tokens:
+            return num_new
+        end, rows = context + num_new, self._encoder_rows
+        for image in images:
+            first, last = image.offset, image.offset + image.length
+            if last <= context or first >= end:
+                continue
+            if first >= context:  # this chunk starts the image's encoding
+                if self.encoder_budget is not None and rows and rows + image.length > self.encoder_budget:
+                    return first - context
+                rows += image.length
+            if self.whole_images and last > end:
+                if first > context:
+                    return first - context
+                end = last  # the chunk starts at the image: all of it, whatever the token budget says
+        return end - context
+
+    def _spend_encoder_rows(self, seq: Sequence, context: int, num_new: int) -> None:
+        self._encoder_rows += sum(image.length for image in seq.request.images
+                                  if context <= image.offset < context + num_new)
+
+    def _outside_images(self, seq: Sequence, cached: list[int]) -> list[int]:
+        """Under ``whole_images``, the cached prefix cut back to end where no image is half computed."""
+        if not self.whole_images or not cached or not seq.request.images:
+            return cached
+        end = len(cached) * self.kv.block_size
+        for image in seq.request.images:
+            if image.offset < end < image.offset + image.length:
+                end = image.offset
+        return cached[:end // self.kv.block_size]
 
     def _prompt_logprob_limit(self, seq: Sequence, context: int, wanted: int) -> int:
         """``wanted`` prompt tokens (after ``context`` computed ones) cut so that the logprob rows

@@ -103,6 +103,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None, chunk: int | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if meta.bidirectional:  # an image attended both ways (Gemma 3): the reference, for this step only
+            return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap, chunk=chunk, sinks=sinks)
         output = torch.empty_like(query)
         if meta.backend_state is None:
             self.prepare(meta)

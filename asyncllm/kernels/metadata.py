@@ -34,6 +34,9 @@ class AttentionMetadata:
     # dynamic rope, model/rotary.py); None: seq_lens
     rope_lens: list[int] | None = None
     rope_lens_tensor: torch.Tensor | None = None
+    # per sequence index: absolute position spans [a, b) inside which attention goes both ways (an image's
+    # rows in Gemma 3); None: causal everywhere. Every backend then runs windowed_attention (torch_attention.py)
+    bidirectional: dict[int, list[tuple[int, int]]] | None = None
 
     @property
     def num_seqs(self) -> int:

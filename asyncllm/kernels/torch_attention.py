@@ -135,7 +135,8 @@ class TorchAttentionBackend:
         ``softcap * tanh(score / softcap)`` before the softmax; ``chunk``: a query at position p sees
         only positions ``p // chunk * chunk .. p`` (Llama 4's chunked attention); ``sinks`` [heads]: one
         learnt logit per head in each softmax's denominator, attending to nothing (gpt-oss)."""
-        if window is not None or softcap is not None or chunk is not None or sinks is not None:
+        if (window is not None or softcap is not None or chunk is not None or sinks is not None
+                or meta.bidirectional):
             return windowed_attention(query, k_cache, v_cache, meta, scale, window, softcap, chunk=chunk, sinks=sinks)
         output = torch.empty_like(query)
         if meta.backend_state is None:
@@ -198,8 +199,9 @@ def windowed_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     prefill path of the CPU backend for them. A window or a chunk also bounds the keys read: only the
     blocks inside it are gathered. ``chunk``: a query at position p sees only positions
     ``p // chunk * chunk .. p``. ``sinks`` [heads]: a logit per head that joins the softmax as one more
-    column and is dropped after it (gpt-oss's attention sinks). ``sequences``: only these (default: all),
-    written into ``output`` (default: a new tensor)."""
+    column and is dropped after it (gpt-oss's attention sinks). ``meta.bidirectional``: spans whose queries
+    also see the span's later keys (before the window applies, as transformers composes Gemma 3's masks).
+    ``sequences``: only these (default: all), written into ``output`` (default: a new tensor)."""
     output = torch.empty_like(query) if output is None else output
     kv_heads, dim = k_cache.shape[-2:]
     heads = query.shape[1]
@@ -227,6 +229,8 @@ def windowed_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(offset, seq_len, device=query.device)[None, :]
         visible = k_pos <= q_pos
+        for a, b in (meta.bidirectional or {}).get(i, ()):
+            visible |= (q_pos >= a) & (q_pos < b) & (k_pos >= a) & (k_pos < b)
         if window is not None:
             visible &= k_pos > q_pos - window
         if chunk is not None:

@@ -131,6 +131,10 @@ class TritonAttentionBackend:
         """query: [tokens, heads, head_dim] -> output of the same shape (contiguous). ``window``,
         ``softcap``, ``chunk`` and ``sinks`` (sliding-window, soft-capped, chunked layers and gpt-oss's
         per-head sink logits) are the kernel's own specialisations."""
+        if meta.bidirectional:  # an image attended both ways (Gemma 3): the reference, for this step only
+            from .torch_attention import windowed_attention as reference
+
+            return reference(query, k_cache, v_cache, meta, scale, window, softcap, chunk=chunk, sinks=sinks)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.backend_state is None:
             self.prepare(meta)

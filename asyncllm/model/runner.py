@@ -430,6 +430,8 @@ class ModelRunner:
             prefill_indices=[i for i, n in enumerate(step.num_new_tokens) if n > 1])
         if rope_lens is not None:
             meta.rope_lens, meta.rope_lens_tensor = rope_lens.tolist(), rope_t
+        if step.images and getattr(self.shape.vision, "bidirectional", False):
+            meta.bidirectional = _image_spans(step, query_start)
         self.backend.prepare(meta)
         return ids, pos, meta, _Gathers(logit_t if logit_index is not None else None, pool_t)
 
@@ -467,6 +469,17 @@ class _Gathers(NamedTuple):
     def of(cls, step: StepInput, device: torch.device) -> "_Gathers":
         logit = None if _is_range(step.logit_rows, len(step.token_ids)) else to_device(step.logit_rows, device)
         return cls(logit, to_device(step.pool_rows, device) if step.pool_rows else None)
+
+
+def _image_spans(step: StepInput, query_start: np.ndarray) -> dict[int, list[tuple[int, int]]]:
+    """Per sequence, the absolute positions of the step's image rows (each image whole: the scheduler never
+    splits an image of a model that attends inside images both ways)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for r in step.images:
+        i = int(np.searchsorted(query_start, r.row, side="right")) - 1
+        first = step.start_positions[i] + r.row - int(query_start[i])
+        spans.setdefault(i, []).append((first, first + r.count))
+    return spans
 
 
 def _is_range(rows: list[int], n: int) -> bool:

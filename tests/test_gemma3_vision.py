@@ -1,0 +1,138 @@
+"""Gemma 3 with images (model/gemma3_vl.py): a tiny random-weight checkpoint gives transformers' greedy tokens
+with one and two images, through LLM, AsyncLLM and the server, also when the step budget is smaller than an
+image (the image's block is never split: its rows attend to each other both ways); the bidirectional spans
+are what makes it equal; a repeated image hits the prefix cache, and a cached prefix never ends inside one."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import io
+
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+from server_helpers import serve_in_thread
+
+from asyncllm import LLM, AsyncLLM, SamplingParams
+from asyncllm.server import create_app
+from asyncllm.toy.gemma3_vision import BOI, TOKENS_PER_IMAGE, build_gemma3_vision_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [(f"hello {BOI} world", [0]), (f"a {BOI} b {BOI} c", [0, 1])]
+
+
+def _image(seed: int, size=(40, 50)) -> Image.Image:
+    return Image.fromarray((np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    return build_gemma3_vision_checkpoint(tmp_path_factory.mktemp("gemma3_vision"))
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_dir):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(gemma_dir)
+
+    def greedy(text: str, images: list, special: bool = True) -> list[int]:
+        enc = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=8, do_sample=False)
+        return out[0, enc["input_ids"].shape[1]:].tolist()
+
+    greedy.processor = processor
+    return greedy
+
+
+@pytest.mark.parametrize("budget", [None, 8, 3], ids=["whole-prompt", "chunked", "budget-below-an-image"])
+@pytest.mark.parametrize("text,seeds", PROMPTS, ids=["one-image", "two-images"])
+def test_greedy_equals_transformers(gemma_dir, reference, text, seeds, budget):
+    kwargs = {} if budget is None else dict(max_num_batched_tokens=budget, max_itl_ms=None)
+    llm = LLM(str(gemma_dir), dtype="float32", block_size=4, **kwargs)
+    images = [_image(s) for s in seeds]
+    (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
+    assert out.outputs[0].token_ids == reference(text, images)
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_the_bidirectional_spans_are_what_makes_it_equal(gemma_dir, reference):
+    llm = LLM(str(gemma_dir), dtype="float32")
+    runner = llm.engine.runner
+    runner.shape.vision = dataclasses.replace(runner.shape.vision, bidirectional=False)  # causal inside images
+    differ = 0
+    for seed in range(4):
+        text, images = PROMPTS[1][0], [_image(seed), _image(seed + 10)]
+        (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
+        differ += out.outputs[0].token_ids != reference(text, images)
+    assert differ > 0
+
+
+def test_chat_async_and_server_equal_transformers(gemma_dir, reference):
+    images = [_image(3), _image(4, (64, 30))]
+    parts = [{"type": "text", "text": "compare "}, {"type": "image"}, {"type": "text", "text": " with "},
+             {"type": "image"}]
+    text = reference.processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    expected = reference(text, images, special=False)
+
+    def data_url(image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    content = [{"type": "text", "text": "compare "}, {"type": "image_url", "image_url": {"url": data_url(images[0])}},
+               {"type": "text", "text": " with "}, {"type": "image_url", "image_url": {"url": data_url(images[1])}}]
+    llm = AsyncLLM(str(gemma_dir), dtype="float32")
+    try:
+        async def stream():
+            outs = [o async for o in llm.stream_outputs([{"role": "user", "content": content}], GREEDY)]
+            return [t for o in outs for t in o.outputs[0].token_ids]
+
+        assert asyncio.run(stream()) == expected
+        with serve_in_thread(create_app(llm, model_name="gemma")) as url:
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+                reply = client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": content}],
+                                                       max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == reference.processor.tokenizer.decode(expected)
+    finally:
+        llm.close()
+
+
+def test_prefix_cache_hits_a_repeated_image_and_never_stops_inside_one(gemma_dir):
+    llm = LLM(str(gemma_dir), dtype="float32", block_size=4)
+    text = f"look at {BOI} this picture closely now"
+    (first,) = llm.generate({"prompt": text, "images": [_image(7)]}, GREEDY)
+    (second,) = llm.generate({"prompt": text, "images": [_image(7)]}, GREEDY)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    soft = llm.engine.runner.shape.vision.image_token_id
+    rows = [i for i, t in enumerate(second.prompt_token_ids) if t == soft]
+    assert len(rows) == TOKENS_PER_IMAGE and second.metrics.num_cached_tokens > rows[-1]
+    (other,) = llm.generate({"prompt": text, "images": [_image(8)]}, GREEDY)  # same size, other pixels
+    cached = other.metrics.num_cached_tokens
+    assert cached <= rows[0]  # the text before the image only
+    assert not rows[0] < cached < rows[-1] + 1
+    assert llm.engine.runner.image_embeddings.images_encoded == 2
+
+
+def test_encoder_budget_spreads_images_over_steps(gemma_dir, reference):
+    """encoder_token_budget=4 (one image's rows): a prompt with three images starts one image a step."""
+    llm = LLM(str(gemma_dir), dtype="float32", encoder_token_budget=TOKENS_PER_IMAGE)
+    runner, started = llm.engine.runner, []
+    execute = runner.execute
+
+    def record(step):
+        started.append(sum(r.count for r in step.images if r.begin == 0))
+        return execute(step)
+
+    runner.execute = record
+    text, images = f"x {BOI} y {BOI} z {BOI} w", [_image(20), _image(21), _image(22)]
+    (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
+    assert out.outputs[0].token_ids == reference(text, images)
+    assert max(started) == TOKENS_PER_IMAGE and sum(started) == 3 * TOKENS_PER_IMAGE
+    assert sum(1 for n in started if n) == 3  # three steps, one image each

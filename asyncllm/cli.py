@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one image download in all (default 10)")
     media.add_argument("--image-cache-memory", type=int, default=None, metavar="BYTES",
                        help="vision-encoder outputs kept by image content (default 256 MiB)")
+    media.add_argument("--encoder-token-budget", type=int, default=None, metavar="ROWS",
+                       help="image rows one engine step may start encoding (default: the step's token budget)")
     scale = serve.add_argument_group("replicas (docs/scaling.md)")
     scale.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                        help="serve N engine replicas through Ray Serve, routed with prefix-cache affinity "

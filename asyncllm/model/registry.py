@@ -74,7 +74,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                "gpt_oss": "GptOssForCausalLM",
                "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration",
-               "llava": "LlavaForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+               "llava": "LlavaForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration",
+               "qwen2_vl": "Qwen2VLForConditionalGeneration",
                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 MODEL_IMPLS = ("auto", "native", "transformers")
 

@@ -399,3 +399,53 @@ def test_bad_media_arguments_name_themselves(kwargs, name):
 
     with pytest.raises(ConfigError, match=name):
         EngineConfig.from_kwargs("model", kwargs)
+
+
+def test_image_urls_are_fetched_only_from_allowed_hosts_within_limits(vlm_dir, reference):
+    """A local HTTP server stands in for an image host: allowed, it serves; too big, too slow, a 404 or
+    a host not listed are 400s naming the part."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    png = _png(_image(22))
+
+    async def image(request):
+        name = request.path_params["name"]
+        if name == "slow.png":
+            await asyncio.sleep(3)
+        if name == "missing.png":
+            return Response(status_code=404)
+        body = png * 8 if name == "big.png" else png
+        return Response(body, media_type="image/png")
+
+    host = Starlette(routes=[Route("/{name}", image)])
+    with serve_in_thread(host) as url:
+        llm = LLM(str(vlm_dir), dtype="float32", allowed_media_domains=["127.0.0.1"], max_image_bytes=len(png) * 2,
+                  media_fetch_timeout=1.0)
+        messages = lambda name: [{"role": "user", "content": [  # noqa: E731
+            {"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": f"{url}/{name}"}}]}]
+        (out,) = llm.generate(messages("cat.png"), GREEDY)
+        (direct,) = llm.generate(messages("cat.png")[:0] or [{"role": "user", "content": [
+            {"type": "text", "text": "see "}, {"type": "image", "image": _image(22)}]}], GREEDY)
+        assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+        for name, words in [("big.png", "max_image_bytes"), ("slow.png", "cannot fetch the image"),
+                            ("missing.png", "HTTP 404")]:
+            with pytest.raises(InvalidRequestError, match=rf"messages\[0\].content\[1\]: .*{words}"):
+                llm.generate(messages(name), GREEDY)
+        other = LLM(str(vlm_dir), dtype="float32", allowed_media_domains=["images.example.com"])
+        with pytest.raises(InvalidRequestError, match="host '127.0.0.1' are not allowed"):
+            other.generate(messages("cat.png"), GREEDY)
+
+
+def test_forced_tool_call_with_an_image(tmp_path):
+    llm = LLM(str(build_vision_checkpoint("llava", tmp_path, max_position_embeddings=2048)), dtype="float32")
+    tools = [{"type": "function", "function": {"name": "label", "description": "label the picture",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "animal": {"type": "string", "enum": ["cat", "dog"]}},
+                                                   "required": ["animal"]}}}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "label this "},
+                                             {"type": "image", "image": _image(23)}]}]
+    (out,) = llm.generate(messages, SamplingParams(temperature=0, max_tokens=400), tools=tools, tool_choice="required")
+    calls = out.outputs[0].tool_calls
+    assert calls and calls[0].name == "label" and calls[0].arguments in ('{"animal": "cat"}', '{"animal": "dog"}')

@@ -224,3 +224,14 @@ def test_bad_mrope_section_is_refused_by_name():
 
     with pytest.raises(ModelLoadError, match=r"rope_parameters\.mrope_section"):
         MRotaryEmbedding(default_inv_freq(10000.0, 16), 1.0, 64, [2, 2, 2])
+
+
+def test_tp2_with_images_equals_transformers(vlm_dir, reference):
+    """Every rank runs the whole tower; the step's M-RoPE positions travel in the step record."""
+    images = [_image(17, WIDE), _image(18)]
+    text = f"split {IMAGE} over {IMAGE} ranks"
+    with LLM(str(vlm_dir), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+             kv_cache_memory=4 << 20, block_size=4) as llm:
+        (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
+        assert out.outputs[0].token_ids == reference(text, images)
+        assert llm.stats()["kv_blocks_used"] == 0

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
-from .decoder import FastPaths
 from .llama import Qwen2ForCausalLM
 from .mrope import MRopePositions, prompt_mrope_positions
 from .qwen_vision import QwenVisionTower
@@ -51,8 +50,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     renamed = {"model.language_model": "model", "model.visual": "visual", **Qwen2ForCausalLM.renamed}
     gguf_architectures = ()
     supported_rope_types = ("default",)
-    # every rank runs the whole tower: not yet checked under tensor parallelism
-    fast_paths = FastPaths(tensor_parallel=False)
     model_types = ("qwen2_vl", "qwen2_vl_text")   # the composite config's and its text config's
     vision_type = "qwen2_vl"
 

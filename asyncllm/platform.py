@@ -34,6 +34,9 @@ class Platform:
     cuda_graphs: bool             # decode steps replayed as CUDA graphs
     default_token_budget: int     # max_num_batched_tokens when the engine arguments leave it unset
     distributed_backend: str      # torch.distributed backend for tensor parallelism: "nccl" or "gloo"
+    # CPU, dtype="bfloat16" on an AVX-512 build: the weights rounded to bf16 and read as bf16 panels by the
+    # decode stack and the LM head, float32 activations and KV cache (``dtype`` is then float32; docs/cpu.md)
+    bf16_weights: bool = False
 
     @property
     def is_cuda(self) -> bool:
@@ -99,10 +102,14 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    backend = resolve_attention_backend(config.attention_backend, device, dtype)
     # The CPU fast path (packed oneDNN weights, C kernels, fused greedy sampling) unless the torch
     # reference was asked for: attention_backend="torch" stays plain torch, the tests' oracle.
     cpu_fast_path = device.type == "cpu" and config.attention_backend != "torch"
+    bf16_weights = (cpu_fast_path and dtype == torch.bfloat16 and config.attention_backend in ("auto", "cpu")
+                    and _bf16_panels_here())
+    if bf16_weights:  # bf16 weights, float32 arithmetic: the decode stack's bf16 panels (kernels/cpu_decode_stack.py)
+        dtype = torch.float32
+    backend = resolve_attention_backend(config.attention_backend, device, dtype)
     # Tensor parallelism sums partial outputs between layers: no single call may run them all
     # (the decode stack), and collectives are not captured in CUDA graphs.
     parallel = config.tensor_parallel_size > 1
@@ -118,4 +125,13 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
                      and not interpreting() and not parallel),
         default_token_budget=DEFAULT_TOKEN_BUDGET.get(device.type, 2048),
         distributed_backend=distributed_backend(device),
+        bf16_weights=bf16_weights and backend == "cpu",
     )
+
+
+def _bf16_panels_here() -> bool:
+    """Whether this machine's decode-stack build reads bf16 panels (AVX-512) and the C kernels load."""
+    from .kernels.cpu_attention import cpu_kernels_available
+    from .kernels.cpu_decode_stack import enabled, panels_supported
+
+    return enabled() and cpu_kernels_available() and panels_supported()

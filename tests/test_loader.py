@@ -23,9 +23,15 @@ def test_sharded_checkpoint_equals_single_file(model_dir_factory, model_dirs):
 
 
 def test_half_precision_dtypes_run(model_dirs):
+    from asyncllm.kernels.cpu_decode_stack import panels_supported
+
     llm = LLM(str(model_dirs["qwen3"]), dtype="bfloat16")
-    assert llm.engine.runner.dtype == torch.bfloat16
-    assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    # on AVX-512 builds bf16 weights with float32 arithmetic (tests/test_cpu_bf16.py), else bfloat16 throughout
+    held = torch.float32 if panels_supported() else torch.bfloat16
+    assert llm.engine.runner.dtype == held
+    assert llm.engine.runner.kv_caches[0][0].dtype == held
+    half = LLM(str(model_dirs["qwen3"]), dtype="bfloat16", attention_backend="torch")  # the plain torch path
+    assert half.engine.runner.dtype == torch.bfloat16 and half.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     (out,) = llm.generate([[5, 6, 7]], GREEDY)
     assert len(out.outputs[0].token_ids) == 8
     assert LLM(str(model_dirs["llama"])).engine.runner.dtype == torch.float32  # auto on CPU

@@ -31,8 +31,16 @@ def test_torch_reference_is_plain_torch():
 
 
 def test_impossible_choices_are_config_errors():
+    from asyncllm.kernels.cpu_decode_stack import panels_supported
+
+    if panels_supported():  # bf16 weights, float32 arithmetic: the C kernels run it (tests/test_cpu_bf16.py)
+        platform = decide_platform(EngineConfig(model="x", attention_backend="cpu", dtype="bfloat16"), _Config())
+        assert platform.bf16_weights and platform.dtype == torch.float32 and platform.attention_backend == "cpu"
+    else:
+        with pytest.raises(ConfigError, match="attention_backend='cpu'"):
+            decide_platform(EngineConfig(model="x", attention_backend="cpu", dtype="bfloat16"), _Config())
     with pytest.raises(ConfigError, match="attention_backend='cpu'"):
-        decide_platform(EngineConfig(model="x", attention_backend="cpu", dtype="bfloat16"), _Config())
+        decide_platform(EngineConfig(model="x", attention_backend="cpu", dtype="float16"), _Config())
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             decide_platform(EngineConfig(model="x", device="cuda"), _Config())

@@ -51,7 +51,7 @@ _LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_
                  "gate_up_scales", "down_scales", "qkv_bias", "k_cache", "v_cache", "qkv_zeros", "o_zeros",
                  "gate_up_zeros", "down_zeros")
 # the weights' kinds the kernel reads (its ``kind`` argument)
-WEIGHT_KINDS = {"float32": 0, "int8": 1, "int4": 2}
+WEIGHT_KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 3}  # bfloat16: panels of bf16 values (AVX-512)
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -63,7 +63,8 @@ _SIGNATURES = (("decode_stack_f32", (ctypes.POINTER(_Layer), _i64, _int, _i64, _
                                      _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _f32,
                                      _int, _int), _int),
                ("decode_stack_panels", (), _int),
-               ("panel_linear_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int))
+               ("panel_linear_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int),
+               ("panel_linear_bf16", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int))
 
 
 def _library() -> ctypes.CDLL | None:
@@ -95,10 +96,12 @@ def _projection(module: nn.Module, weights: str, panels: bool) -> tuple[torch.Te
     """(weight as the kernel reads it, scales or None, zeros or None, bias or None) of a projection: nn.Linear
     (row-major, or panels), Int8Linear (row-major int8) or a 4-bit GroupQuantLinear (packed nibbles, checked
     by :func:`_int4_group`). A module of another kind than ``weights`` raises TypeError."""
-    if weights == "float32":
+    if weights in ("float32", "bfloat16"):
         if not isinstance(module, nn.Linear):
-            raise TypeError(f"{type(module).__name__} among float32 projections")
+            raise TypeError(f"{type(module).__name__} among {weights} projections")
         weight = module.weight.detach()
+        if weights == "bfloat16":  # the values are bf16-rounded already (the runner rounds them): exact
+            return to_panels(weight).to(torch.bfloat16), None, None, module.bias
         return (to_panels(weight) if panels else weight.contiguous()), None, None, module.bias
     if weights == "int4":
         if not isinstance(module, GroupQuantLinear):
@@ -156,7 +159,7 @@ class DecodeStack:
         shape = model.shape
         self.shape, self.weights, self.group = shape, weights, group
         self.int8, self.kind = weights == "int8", WEIGHT_KINDS[weights]
-        self.panels = weights == "float32" and panels_supported()
+        self.panels = weights in ("float32", "bfloat16") and panels_supported()
         # 4 bits: int4_linear.c's loops, register tiles up to 12 rows and widened panels above (its MB: 64)
         self.max_rows = MAX_PANEL_ROWS if self.panels or weights == "int4" else MAX_ROWS
         self.model = model
@@ -188,7 +191,8 @@ class DecodeStack:
     def build(cls, model: nn.Module, kv_caches, weights: str | bool, group: int | None) -> "DecodeStack | None":
         """The stack for ``model`` when this path can run it here, else None (the reason is logged).
 
-        ``weights``: how the projections are held, ``"float32"``, ``"int8"`` (``group`` values per scale, None:
+        ``weights``: how the projections are held, ``"float32"``, ``"bfloat16"`` (float32 modules holding
+        bf16-rounded values, read as bf16 panels), ``"int8"`` (``group`` values per scale, None:
         one per row) or ``"int4"`` (every projection a 4-bit GroupQuantLinear; the group size is read from
         the layers, ``group`` is not used); a bool means int8 or float32."""
         if isinstance(weights, bool):
@@ -210,6 +214,8 @@ class DecodeStack:
             reason = "int8 groups must be multiples of 8"
         elif weights not in WEIGHT_KINDS:
             reason = f"{weights} weights are not in the kernel"
+        elif weights == "bfloat16" and not panels_supported():
+            reason = "bfloat16 weights are read as panels, which need an AVX-512 build"
         elif kv_caches[0][0].dtype != torch.float32:
             reason = "float32 only"
         if reason is None:

@@ -20,24 +20,26 @@ from .cpu_decode_stack import _library, panels_supported, to_panels
 class PanelLinear(nn.Module):
     """``y = x @ W.T`` (no bias) for float32 CPU inputs, ``W`` held as panels; build with :meth:`build`."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bf16: bool = False) -> None:
+        """``bf16``: hold the panels as bfloat16 (``weight`` holds bf16-rounded values: exact), half the bytes."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # a plain attribute, as PackedLinear's: the engine never moves or saves a loaded model
-        self.panels = to_panels(weight.detach())
-        self._fn = _library().panel_linear_f32
+        panels = to_panels(weight.detach())
+        self.panels = panels.to(torch.bfloat16) if bf16 else panels
+        self._fn = _library().panel_linear_bf16 if bf16 else _library().panel_linear_f32
 
     @classmethod
-    def build(cls, weight: torch.Tensor) -> "PanelLinear | None":
+    def build(cls, weight: torch.Tensor, bf16: bool = False) -> "PanelLinear | None":
         """A panel layer for this float32 CPU weight, or None where the kernel cannot run it here."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or not panels_supported():
             return None
-        return cls(weight)
+        return cls(weight, bf16)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dense weight, rebuilt on demand (for inspection; the forward never uses it)."""
-        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -51,7 +53,8 @@ class PanelLinear(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, panels=32"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, panels=32"
+                + (", bfloat16" if self.panels.dtype == torch.bfloat16 else ""))
 
 
 class PanelEmbedding(nn.Module):
@@ -72,7 +75,7 @@ class PanelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         panels = self.head[0].panels
         flat = input_ids.reshape(-1)
-        rows = panels[flat // 32, :, flat % 32]
+        rows = panels[flat // 32, :, flat % 32].float()  # (bf16 panels: exact, their values are bf16)
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -98,6 +98,11 @@ class ModelRunner:
             self._load_native(config, hf_config, source, max_model_len)
         else:
             self._load_through_transformers(config, hf_config, source, max_model_len)
+        # dtype="bfloat16" on CPU (Platform.bf16_weights): float32 arithmetic on bf16-rounded weights, read as bf16
+        self.bf16_weights = (self.platform.bf16_weights and self.architecture.native and not self.weight_format.int8
+                             and self.weight_format.checkpoint is None)
+        if self.bf16_weights:
+            _round_to_bf16(self.model)
         self.num_blocks = self._agree_num_blocks(config, max_model_len)
         # every running sequence's block table, kept across steps (engine/block_tables.py)
         self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
@@ -105,9 +110,9 @@ class ModelRunner:
         # before packing: the decode stack reads the dense float weights (kernels/cpu_decode_stack.py)
         stored = self.weight_format.checkpoint
         int4 = stored is not None and getattr(stored, "kind", None) == "int" and getattr(stored, "bits", None) == 4
-        self.decode_stack = (DecodeStack.build(self.model, self.kv_caches,
-                                               "int8" if self.weight_format.int8 else "int4" if int4 else "float32",
-                                               self.weight_format.group_size)
+        kind = ("int8" if self.weight_format.int8 else "int4" if int4
+                else "bfloat16" if self.bf16_weights else "float32")
+        self.decode_stack = (DecodeStack.build(self.model, self.kv_caches, kind, self.weight_format.group_size)
                              if self.platform.decode_stack and self.model_class.fast_paths.decode_stack
                              # a quantized checkpoint's FP8 and 8-bit zero-point layers are not in the kernel; its
                              # 4-bit ones are when every projection is (DecodeStack.build checks)
@@ -223,7 +228,7 @@ class ModelRunner:
             return
         tied = self.shape.tie_word_embeddings
         head = self.model.model.embed_tokens.weight if tied else self.model.lm_head.weight
-        panel_head = PanelLinear.build(head)
+        panel_head = PanelLinear.build(head, bf16=self.bf16_weights)
         if panel_head is not None:
             self.model.lm_head = panel_head  # not an nn.Linear: packing leaves it alone
             if tied and not self.tp.enabled:  # the table is read from the head's panels: held once, not twice
@@ -469,6 +474,19 @@ class _Gathers(NamedTuple):
     def of(cls, step: StepInput, device: torch.device) -> "_Gathers":
         logit = None if _is_range(step.logit_rows, len(step.token_ids)) else to_device(step.logit_rows, device)
         return cls(logit, to_device(step.pool_rows, device) if step.pool_rows else None)
+
+
+@torch.no_grad()
+def _round_to_bf16(model: torch.nn.Module) -> None:
+    """Every float32 weight of ``model`` rounded to the nearest bfloat16 value, in place (still float32 tensors:
+    the module path computes float32 on them, and the bf16 panels built from them hold them exactly). Buffers
+    (rotary tables) stay float32, as a bf16 model's rope is computed in float32."""
+    count = 0
+    for tensor in model.parameters():
+        if tensor.dtype == torch.float32:
+            tensor.copy_(tensor.to(torch.bfloat16))
+            count += 1
+    logger.info("dtype=bfloat16 on CPU: %d weight tensors rounded to bfloat16; float32 activations and KV cache", count)
 
 
 def _image_spans(step: StepInput, query_start: np.ndarray) -> dict[int, list[tuple[int, int]]]:

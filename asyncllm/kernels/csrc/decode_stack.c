@@ -342,6 +342,74 @@ static const panel_tile_fn panel_tiles[PANEL_ROWS + 1] = {
     NULL, panel_tile_1, panel_tile_2, panel_tile_3, panel_tile_4, panel_tile_5, panel_tile_6,
     panel_tile_7, panel_tile_8, panel_tile_9, panel_tile_10, panel_tile_11, panel_tile_12};
 
+/* bfloat16 weights in the same panels ([ceil(N / 32)][K][32] of 16-bit values): each weight vector is
+ * widened to float32 in registers (a bf16 value is the top half of a float32, so a shift is exact) and
+ * the tile runs the float32 FMAs on the float32 activations. The step reads half the bytes; the result
+ * is float32 arithmetic on bf16-rounded weights (what dtype="bfloat16" means on CPU, docs/cpu.md). */
+static inline __m512 widen_bf16(const uint16_t *w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
+}
+#define PANEL_TILE_BF16(R)                                                                                       \
+    static __attribute__((noinline)) void panel_tile_bf16_##R(const float *x, int64_t K, const uint16_t *P,      \
+                                                              float *out, const uint16_t *next, int64_t phase,   \
+                                                              int64_t tiles) {                                   \
+        __m512 a[R], b[R];                                                                                       \
+        for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();                                           \
+        for (int64_t k = 0, turn = phase; k < K; k++) {                                                          \
+            const uint16_t *w = P + PANEL * k;                                                                   \
+            const uint16_t *ahead = tiles == 1 ? w + 2 * PANEL_PREFETCH : turn == 0 ? next + PANEL * k : NULL;   \
+            if (ahead) __builtin_prefetch(ahead, 0, 3); /* a panel row is one cache line */                      \
+            turn = turn + 1 == tiles ? 0 : turn + 1;                                                             \
+            const __m512 w0 = widen_bf16(w), w1 = widen_bf16(w + 16);                                            \
+            for (int r = 0; r < R; r++) {                                                                        \
+                const __m512 xr = _mm512_set1_ps(x[r * K + k]);                                                  \
+                a[r] = _mm512_fmadd_ps(xr, w0, a[r]);                                                            \
+                b[r] = _mm512_fmadd_ps(xr, w1, b[r]);                                                            \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < R; r++) {                                                                            \
+            _mm512_storeu_ps(out + PANEL * r, a[r]);                                                             \
+            _mm512_storeu_ps(out + PANEL * r + 16, b[r]);                                                        \
+        }                                                                                                        \
+    }
+PANEL_TILE_BF16(1)
+PANEL_TILE_BF16(2)
+PANEL_TILE_BF16(3)
+PANEL_TILE_BF16(4)
+PANEL_TILE_BF16(5)
+PANEL_TILE_BF16(6)
+PANEL_TILE_BF16(7)
+PANEL_TILE_BF16(8)
+PANEL_TILE_BF16(9)
+PANEL_TILE_BF16(10)
+PANEL_TILE_BF16(11)
+PANEL_TILE_BF16(12)
+
+typedef void (*panel_tile_bf16_fn)(const float *, int64_t, const uint16_t *, float *, const uint16_t *, int64_t,
+                                   int64_t);
+static const panel_tile_bf16_fn panel_tiles_bf16[PANEL_ROWS + 1] = {
+    NULL, panel_tile_bf16_1, panel_tile_bf16_2, panel_tile_bf16_3, panel_tile_bf16_4, panel_tile_bf16_5,
+    panel_tile_bf16_6, panel_tile_bf16_7, panel_tile_bf16_8, panel_tile_bf16_9, panel_tile_bf16_10,
+    panel_tile_bf16_11, panel_tile_bf16_12};
+
+/* project_panels for bfloat16 panels */
+static void project_panels_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, float *y,
+                                int64_t N) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
+            float out[PANEL_ROWS * PANEL];
+            panel_tiles_bf16[m1 - m0](x + m0 * K, K, W + p * K * PANEL, out, W + (p + 1) * K * PANEL, t, tiles);
+            for (int64_t m = m0; m < m1; m++)
+                for (int64_t j = 0; j < cols; j++)
+                    y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+}
+
 /* y[m][n] = x[m] . W[n] (+ bias) with W in panels; the threads split the panels, each panel goes
  * through the rows in tiles of at most PANEL_ROWS, balanced (32 rows: 10 + 11 + 11). */
 static void project_panels(const float *x, int64_t M, int64_t K, const float *W, const float *bias, float *y,
@@ -361,6 +429,19 @@ static void project_panels(const float *x, int64_t M, int64_t K, const float *W,
     }
 }
 #endif
+
+/* panel_linear_f32 with bfloat16 panels (the LM head of a dtype="bfloat16" model): 0, or 1 without AVX-512. */
+int panel_linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, float *y, int64_t N,
+                      int num_threads) {
+#ifdef __AVX512F__
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    project_panels_bf16(x, M, K, W, bias, y, N);
+    return 0;
+#else
+    (void)x, (void)M, (void)K, (void)W, (void)bias, (void)y, (void)N, (void)num_threads;
+    return 1;
+#endif
+}
 
 /* y[M][N] = x[M][K] @ W.T (+ bias) with W in panels, on its own (the LM head): 0, or 1 without AVX-512. */
 int panel_linear_f32(const float *x, int64_t M, int64_t K, const float *W, const float *bias, float *y, int64_t N,
@@ -528,7 +609,7 @@ static void add_rows(float *x, const float *d, int64_t count) {
 }
 
 /* kind: 0 float32 weights (panels on AVX-512 builds, else row-major), 1 int8 with scales, 2 4-bit with scales
- * and zeros (project_q4; at most MB rows). group: values per scale, 0 = one group per row.
+ * and zeros (project_q4; at most MB rows), 3 bfloat16 panels (AVX-512 builds; project_panels_bf16). group: values per scale, 0 = one group per row.
  * Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad position or length, 3 for
  * too many rows (4 bits) or an unknown kind.
  *
@@ -549,9 +630,13 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
             return 2;
         if (seq_lens[m] > longest) longest = seq_lens[m];
     }
-    if (kind < 0 || kind > 2 || (kind == 2 && M > MB)) return 3;
+#ifndef __AVX512F__
+    if (kind == 3) return 3; /* bfloat16 panels need AVX-512 */
+#endif
+    if (kind < 0 || kind > 3 || (kind == 2 && M > MB)) return 3;
     if (num_threads < 1) num_threads = 1;
-    const int int8 = kind == 1, q4 = kind == 2;
+    const int int8 = kind == 1, q4 = kind == 2, bf16 = kind == 3;
+    (void)bf16;
     /* group: 0 = one scale per output channel (the group is the whole input row) */
     const int64_t g_h = group ? group : H, g_q = group ? group : Q, g_i = group ? group : I;
 #define ROUND16(n) (((size_t)(n) + 15) / 16 * 16) /* floats: keeps every buffer 64-byte aligned */
@@ -585,7 +670,13 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
         (void)xd, (void)ps;
         memcpy(x, hidden, (size_t)(M * H) * sizeof(float));
 /* projection NAME of layer L: y[M][N] = x[M][K] . W.T (+ bias), by the weights' kind */
+#ifdef __AVX512F__
+#define PROJECT_BF16(X, K, NAME, BIAS, Y, N) if (bf16) project_panels_bf16(X, M, K, (const uint16_t *)L->NAME, BIAS, Y, N); else
+#else
+#define PROJECT_BF16(X, K, NAME, BIAS, Y, N)
+#endif
 #define PROJECT(X, K, NAME, G, BIAS, Y, N)                                                                         \
+    PROJECT_BF16(X, K, NAME, BIAS, Y, N)                                                                           \
     if (q4) project_q4(X, M, K, G, (const uint8_t *)L->NAME, L->NAME##_scales, L->NAME##_zeros, BIAS, Y, N, xd, ps); \
     else project(X, M, K, L->NAME, L->NAME##_scales, G, int8, BIAS, Y, N);
         for (int64_t l = 0; l < num_layers; l++) {
@@ -639,6 +730,7 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
             for (int64_t m = 0; m < M; m++) rms_norm_row(x + m * H, final_norm, eps, H, hidden + m * H);
     }
 #undef PROJECT
+#undef PROJECT_BF16
 #undef ROUND16
     free(scratch);
     return 0;

@@ -235,3 +235,30 @@ def test_tp2_with_images_equals_transformers(vlm_dir, reference):
         (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
         assert out.outputs[0].token_ids == reference(text, images)
         assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_lora_on_the_language_model_equals_peft_merged(vlm_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from asyncllm import LoRARequest
+
+    torch.manual_seed(3)
+    base = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                 target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name:
+                param.mul_(3.0)  # large enough to change greedy tokens
+    peft_model.save_pretrained(tmp_path / "adapter")
+    merged = peft_model.merge_and_unload().eval()
+    images, text = [_image(19, WIDE)], f"adapt {IMAGE} this"
+    enc = load_processor(vlm_dir)(text=[text], images=images, return_tensors="pt")
+    with torch.no_grad():
+        expected = merged.generate(**enc, max_new_tokens=8, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    llm = LLM(str(vlm_dir), dtype="float32")
+    prompt = {"prompt": text, "images": images}
+    (plain,) = llm.generate(prompt, GREEDY)
+    (adapted,) = llm.generate(prompt, GREEDY, lora=LoRARequest("lang", str(tmp_path / "adapter")))
+    assert adapted.outputs[0].token_ids == expected != plain.outputs[0].token_ids

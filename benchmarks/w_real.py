@@ -22,6 +22,8 @@ Engines:
   asyncllm-f32        ``LLM(hf_dir).generate(token id prompts, SamplingParams(temperature=0, ignore_eos=True))``,
                       float32, token ids in and out (``skip_tokenizer_init``; ``--detokenize`` to turn text on).
   asyncllm-int8       the same with ``quantization="int8"`` (weight-only int8, float activations).
+  asyncllm-bf16       the same with ``dtype="bfloat16"`` (on AVX-512 CPUs: bf16-rounded weights read as bf16,
+                      float32 arithmetic and KV cache; docs/cpu.md).
   asyncllm-q8_0       asyncllm on ``smollm2-q8_0.gguf`` (runs as int8: the weights llama.cpp's Q8_0 run uses).
   llamacpp-f32/-q8_0  ``llama-batched-bench -c CTX -b 2048 -ub 512 -npp P -ntg G -npl BATCHES -t THREADS
                       --output-format jsonl``; time = its ``t`` (prompt processing + generation, ``t_pp`` and
@@ -78,9 +80,10 @@ LLAMACPP_TARGETS = ("llama-batched-bench", "llama-quantize")
 WARMUP_PROMPT_LEN, WARMUP_GEN_LEN = 16, 4
 
 ASYNCLLM_F32, ASYNCLLM_INT8, ASYNCLLM_Q8 = "asyncllm-f32", "asyncllm-int8", "asyncllm-q8_0"
+ASYNCLLM_BF16 = "asyncllm-bf16"
 LLAMACPP_F32, LLAMACPP_Q8 = "llamacpp-f32", "llamacpp-q8_0"
 TRANSFORMERS = "transformers"
-ENGINES = (ASYNCLLM_F32, ASYNCLLM_INT8, ASYNCLLM_Q8, LLAMACPP_F32, LLAMACPP_Q8, TRANSFORMERS)
+ENGINES = (ASYNCLLM_F32, ASYNCLLM_BF16, ASYNCLLM_INT8, ASYNCLLM_Q8, LLAMACPP_F32, LLAMACPP_Q8, TRANSFORMERS)
 # (asyncllm engine, the peer it is held against): the ratios of the targets.
 COMPARISONS = ((ASYNCLLM_F32, LLAMACPP_F32), (ASYNCLLM_Q8, LLAMACPP_Q8), (ASYNCLLM_INT8, LLAMACPP_Q8),
                (ASYNCLLM_F32, TRANSFORMERS))
@@ -866,8 +869,9 @@ def _run_engines(args, hf_dir, ggufs, binary, why, vocab, llm_kwargs, first_outp
         if name == ASYNCLLM_F32:
             entry["llm_kwargs"] = llm_kwargs
             run_python_engine(entry, lambda: make_asyncllm(hf_dir, llm_kwargs), args, vocab, first_outputs)
-        elif name == ASYNCLLM_INT8:
-            entry["llm_kwargs"] = kw = {**llm_kwargs, "quantization": "int8"}
+        elif name in (ASYNCLLM_INT8, ASYNCLLM_BF16):
+            extra = {"quantization": "int8"} if name == ASYNCLLM_INT8 else {"dtype": "bfloat16"}
+            entry["llm_kwargs"] = kw = {**llm_kwargs, **extra}
             run_python_engine(entry, lambda: make_asyncllm(hf_dir, kw), args, vocab, first_outputs)
         elif name == ASYNCLLM_Q8:
             entry["llm_kwargs"] = llm_kwargs

@@ -78,8 +78,10 @@ class MultiModalProcessor:
 
         self.processor = load_processor(model_dir)
         self.model_class, self.spec, self.policy = model_class, spec, policy
-        # dynamic-resolution families stack every image's patches in one tensor: they cut it themselves
-        self._split = getattr(model_class, "image_pixels", None) or self.split_pixels
+        # dynamic-resolution families stack every image's patches in one tensor, LLaVA-NeXT pads each image's
+        # tiles to the batch's most: they cut it themselves (with the model's spec)
+        hook = getattr(model_class, "image_pixels", None)
+        self._split = (lambda out, count: hook(out, count, spec)) if hook is not None else self.split_pixels
         self.image_token_id = spec.image_token_id
 
     def load_images(self, sources: list[tuple[Any, str]]) -> list:

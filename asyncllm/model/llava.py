@@ -153,3 +153,86 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         patches = (config.image_size // config.patch_size) ** 2
         with_class = patches + (config.model_type == "clip_vision_model")
         return with_class if spec.keep_class_token else with_class - 1
+
+
+@dataclass(frozen=True)
+class LlavaNextSpec(VisionSpec):
+    """LLaVA-NeXT's: the resolutions an image may be tiled at (``image_grid_pinpoints``, [height, width])."""
+
+    grid_pinpoints: tuple = ()
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """LLaVA-NeXT (1.6): an image is one base view at the tower's resolution plus tiles of the grid resolution
+    nearest its aspect ratio ("any resolution"); the tiles' features are put back on one grid, cropped to the
+    image's own aspect ratio (the padding's rows and columns dropped) and end each row with the learnt
+    ``image_newline`` vector. The grid arithmetic is transformers' own (its LLaVA-NeXT helpers), so an image's
+    rows match its processor's placeholder count by construction."""
+
+    renamed = {**LlavaForConditionalGeneration.renamed, "model.image_newline": "image_newline"}
+
+    def __init__(self, shape: DecoderShape, rotaries, backend, lora=None, tp=None, full=None) -> None:
+        super().__init__(shape, rotaries, backend, lora, tp, full)
+        self.image_newline = nn.Parameter(torch.empty(shape.hidden_size))
+
+    @classmethod
+    def vision_spec(cls, config) -> LlavaNextSpec:
+        base = LlavaForConditionalGeneration.vision_spec(config)
+        pinpoints = getattr(config, "image_grid_pinpoints", None)
+        if not pinpoints:
+            raise ModelLoadError(f"{cls.__name__}: the config has no image_grid_pinpoints")
+        return LlavaNextSpec(base.config, base.image_token_id, base.feature_layers, base.keep_class_token,
+                             base.projector_act, base.projector_bias, tuple(tuple(p) for p in pinpoints))
+
+    @classmethod
+    def image_pixels(cls, out, count: int, spec: LlavaNextSpec) -> list[dict[str, torch.Tensor]]:
+        """Each image's own tiles ([tiles, 3, H, W]) and size: the processor pads every image of a prompt to
+        the most tiles among them, and the padding must not reach the content hash."""
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        sizes, pixels = out.get("image_sizes"), out["pixel_values"]
+        if sizes is None or sizes.shape[0] != count or pixels.dim() != 5:
+            raise ValueError(f"the processor gave {0 if sizes is None else sizes.shape[0]} image sizes and pixels of "
+                             f"shape {tuple(pixels.shape)} for {count} image(s)")
+        pinpoints = [list(p) for p in spec.grid_pinpoints]
+        tiles = [image_size_to_num_patches(sizes[i].tolist(), pinpoints, spec.config.image_size) for i in range(count)]
+        return [{"pixel_values": pixels[i, :tiles[i]].contiguous(), "image_sizes": sizes[i:i + 1].clone()}
+                for i in range(count)]
+
+    def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        tiles = [image.pixels["pixel_values"] for image in images]
+        states = self.vision_tower.hidden_states(torch.cat(tiles), max(self.spec.feature_layers))
+        features = torch.cat([states[i] for i in self.spec.feature_layers], dim=-1)
+        if not self.spec.keep_class_token:
+            features = features[:, 1:]
+        projected = self.multi_modal_projector(features).split([t.shape[0] for t in tiles])
+        return [self._pack(rows, image.pixels["image_sizes"][0].tolist()) for rows, image in zip(projected, images)]
+
+    def _pack(self, tiles: torch.Tensor, size: list[int]) -> torch.Tensor:
+        """One image's [tiles, patches, hidden] features as its placeholder rows (transformers' packing)."""
+        from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+        newline = self.image_newline.to(tiles.dtype)
+        if tiles.shape[0] == 1:
+            return torch.cat([tiles[0], newline[None]])
+        side = self.spec.config.image_size // self.spec.config.patch_size
+        rows, cols = get_anyres_image_grid_shape(size, [list(p) for p in self.spec.grid_pinpoints],
+                                                 self.spec.config.image_size)
+        grid = tiles[1:].view(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
+        grid = unpad_image(grid, size)
+        grid = torch.cat([grid, newline[:, None, None].expand(*grid.shape[:-1], 1)], dim=-1)
+        return torch.cat([tiles[0], grid.flatten(1, 2).transpose(0, 1)])
+
+    @classmethod
+    def image_rows(cls, spec: LlavaNextSpec, pixels: dict) -> int:
+        from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+        config = spec.config
+        side = config.image_size // config.patch_size
+        base = side * side + (spec.keep_class_token and config.model_type == "clip_vision_model")
+        if pixels["pixel_values"].shape[0] == 1:
+            return base + 1
+        size = pixels["image_sizes"][0].tolist()
+        rows, cols = get_anyres_image_grid_shape(size, [list(p) for p in spec.grid_pinpoints], config.image_size)
+        grid = unpad_image(torch.empty(1, rows * side, cols * side), size)
+        return base + grid.shape[1] * (grid.shape[2] + 1)

@@ -117,7 +117,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     # ---- the front's hooks (frontend/multimodal.py) ----
 
     @classmethod
-    def image_pixels(cls, out, count: int) -> list[dict[str, torch.Tensor]]:
+    def image_pixels(cls, out, count: int, spec=None) -> list[dict[str, torch.Tensor]]:
         """Each image's patches and grid: the processor stacks every image's patches in one tensor."""
         if count == 0:
             return []

@@ -57,6 +57,7 @@ NATIVE: dict[str, str] = {
     "Llama4ForConditionalGeneration": "llama4:Llama4ForConditionalGeneration",
     # vision-language models: images in, text out (model/llava.py, docs/multimodal.md)
     "LlavaForConditionalGeneration": "llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "llava:LlavaNextForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "gemma3_vl:Gemma3ForConditionalGeneration",
     # dynamic-resolution vision towers and M-RoPE positions (model/qwen2_vl.py)
     "Qwen2VLForConditionalGeneration": "qwen2_vl:Qwen2VLForConditionalGeneration",
@@ -75,6 +76,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "gpt_oss": "GptOssForCausalLM",
                "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration",
                "llava": "LlavaForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration",
+               "llava_next": "LlavaNextForConditionalGeneration",
                "qwen2_vl": "Qwen2VLForConditionalGeneration",
                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 MODEL_IMPLS = ("auto", "native", "transformers")

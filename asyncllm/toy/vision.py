@@ -1,10 +1,12 @@
-"""Tiny random-weight vision-language checkpoints (LLaVA with a CLIP or a SigLIP tower; Qwen2-VL and
-Qwen2.5-VL), with a processor.
+"""Tiny random-weight vision-language checkpoints (LLaVA with a CLIP or a SigLIP tower, LLaVA-NeXT; Qwen2-VL
+and Qwen2.5-VL), with a processor.
 
 Each directory holds what a hub checkpoint holds: config.json, model.safetensors, the tokenizer (the
 local toy tokenizer plus the image tokens), the image processor's config and a chat template that
 renders image parts, so ``AutoProcessor`` and transformers' ``generate`` read it as they read a real
-one. LLaVA: images are 28 x 28 pixels in patches of 7: 16 patches, 16 image tokens per image.
+one. LLaVA: images are 28 x 28 pixels in patches of 7: 16 patches, 16 image tokens per image. LLaVA-NeXT:
+the same base view plus tiles at 28 x 56, 56 x 28 or 56 x 56 (LLAVA_NEXT_PINPOINTS), cropped to the image's
+aspect ratio, a newline row each: a count per image that depends on its size.
 Qwen2-VL / Qwen2.5-VL: dynamic resolution, patches of 14 merged 2 x 2 into one token, so a 56 x 56
 image is 4 tokens and a 112 x 84 one 12; the 2.5 tower's attention windows are 56 pixels (2 x 2
 tokens), so its larger images span several windows.
@@ -21,7 +23,9 @@ from .checkpoints import INIT_STD, LOGIT_SCALE, _COMMON, _quiet_progress_bars
 from .tokenizer import build_tokenizer
 
 IMAGE_TOKEN = "<image>"
-VISION_KINDS = ("llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl")
+VISION_KINDS = ("llava", "llava_siglip", "llava_next", "qwen2_vl", "qwen2_5_vl")
+# LLaVA-NeXT's toy tiles an image at one of these [height, width] resolutions (base view: 28 x 28)
+LLAVA_NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
 QWEN_VL_KINDS = ("qwen2_vl", "qwen2_5_vl")
 IMAGE_SIZE, PATCH_SIZE = 28, 7
 # renders {"type": "image"} parts as the placeholder, text parts as their text
@@ -53,25 +57,40 @@ def build_vision_checkpoint(kind: str, out_dir: Path, seed: int = 0, **text_over
     text.pop("dtype")
     tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
-    siglip = kind == "llava_siglip"
+    siglip, nxt = kind == "llava_siglip", kind == "llava_next"
     vision = SiglipVisionConfig(**tower) if siglip else CLIPVisionConfig(projection_dim=32, **tower)
-    config = LlavaConfig(text_config=LlamaConfig(**text), vision_config=vision, image_token_id=image_token_id,
-                         projector_hidden_act="gelu", vision_feature_layer=-1 if siglip else -2,
-                         vision_feature_select_strategy="full" if siglip else "default", dtype="float32")
+    options = dict(text_config=LlamaConfig(**text), vision_config=vision, image_token_id=image_token_id,
+                   projector_hidden_act="gelu", vision_feature_layer=-1 if siglip else -2,
+                   vision_feature_select_strategy="full" if siglip else "default", dtype="float32")
+    if nxt:
+        from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+
+        config = LlavaNextConfig(image_grid_pinpoints=LLAVA_NEXT_PINPOINTS, **options)
+        model_class, processor_class = LlavaNextForConditionalGeneration, LlavaNextProcessor
+    else:
+        config, model_class, processor_class = LlavaConfig(**options), LlavaForConditionalGeneration, LlavaProcessor
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    model = model_class(config).to(torch.float32).eval()
     _peaked(model, seed)
     with _quiet_progress_bars():
         model.save_pretrained(out_dir)
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
-                                           crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+    sizes = dict(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = processor_class(
+        image_processor=_llava_next_image_processor(**sizes) if nxt else CLIPImageProcessor(**sizes),
         tokenizer=tokenizer, patch_size=PATCH_SIZE, image_token=IMAGE_TOKEN,
         vision_feature_select_strategy=config.vision_feature_select_strategy,
         num_additional_image_tokens=0 if siglip else 1, chat_template=VISION_CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)
     _no_unknown_token(out_dir)
     return out_dir
+
+
+def _llava_next_image_processor(**sizes):
+    try:  # the PIL image processor: torchvision is not installed here
+        from transformers import LlavaNextImageProcessorPil as ImageProcessor
+    except ImportError:  # older transformers: one class
+        from transformers import LlavaNextImageProcessor as ImageProcessor
+    return ImageProcessor(image_grid_pinpoints=LLAVA_NEXT_PINPOINTS, **sizes)
 
 
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")

@@ -228,6 +228,9 @@ def test_text_models_refuse_images_by_part(model_dirs):
         llm.generate(messages, GREEDY)
     with pytest.raises(InvalidRequestError, match=r"prompt.images\[0\]: this model takes no images"):
         llm.generate({"prompt": "hi", "images": [_image(1)]}, GREEDY)
+    (plain,) = llm.generate("hi there", GREEDY)  # no images: the mapping is just its text
+    (mapped,) = llm.generate({"prompt": "hi there", "images": []}, GREEDY)
+    assert mapped.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
 def test_local_files_under_the_allowed_directory(vlm_dir, tmp_path, reference):

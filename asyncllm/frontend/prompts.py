@@ -93,6 +93,8 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
         text, sources = prompt_images(prompt)
         check_utf8_field(text, "prompt")
         _check_text_length(text, tokenizer, max_model_len, "prompt")
+        if not sources and multimodal is None:  # {"prompt": ..., "images": []} to a text model: just the text
+            return text, _encode(tokenizer, text, True, max_model_len), []
         return (text, *_with_images(multimodal, text, sources, True))
     if isinstance(prompt, dict):
         raise InvalidRequestError("prompt: a mapping must hold 'prompt' (and 'images' or 'multi_modal_data')",

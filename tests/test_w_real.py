@@ -85,6 +85,7 @@ def test_tiny_run_covers_every_engine_and_batch(llama_dir, tmp_path):
             if not name.startswith("llamacpp"):
                 assert f["length_mismatches"] == 0
     assert res[w_real.ASYNCLLM_INT8]["llm_kwargs"]["quantization"] == "int8"
+    assert res[w_real.ASYNCLLM_BF16]["llm_kwargs"]["dtype"] == "bfloat16"
     for name in (w_real.ASYNCLLM_Q8, w_real.LLAMACPP_Q8):  # no Q8_0 file given with --model-dir
         assert res[name]["status"] == "skipped" and "--gguf-q8_0" in res[name]["reason"]
 
@@ -116,7 +117,8 @@ def test_tiny_run_covers_every_engine_and_batch(llama_dir, tmp_path):
     assert target["time_ratio_B1"] == pytest.approx(comps[("asyncllm-f32", "llamacpp-f32", 1)]["time_ratio"])
     assert r["targets"]["asyncllm-q8_0 vs llamacpp-q8_0"] == {"time_ratio_B1": None, "throughput_ratio_B2": None}
     assert isinstance(r["greedy_equal"], bool)
-    assert set(r["greedy_check"]["common_prefix_with_asyncllm_f32"]) == {"asyncllm-int8", "transformers"}
+    assert set(r["greedy_check"]["common_prefix_with_asyncllm_f32"]) == {"asyncllm-bf16", "asyncllm-int8",
+                                                                         "transformers"}
     assert r["machine"]["loadavg_start"] is not None and r["machine"]["threads"] == 1
     assert r["command"][:3] == ["python", "-m", "benchmarks.w_real"]
 

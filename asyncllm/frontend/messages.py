@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import InvalidRequestError
+from .multimodal import IMAGE_PART
 from .text import check_utf8
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -59,7 +60,6 @@ class ImageContentPart(_Strict):
 
 
 ContentPart = Annotated[Union[TextContentPart, ImageURLContentPart, ImageContentPart], Field(discriminator="type")]
-IMAGE_PART = "image"  # the part chat templates see for an image ({"type": "image"})
 
 
 class ToolCallFunction(_Strict):

@@ -19,7 +19,8 @@ import torch
 from ..errors import InvalidRequestError
 from ..model.step_io import ImageInput
 from .images import ImagePolicy, load_image
-from .messages import IMAGE_PART
+
+IMAGE_PART = "image"  # the part chat templates see for an image ({"type": "image"}); messages.py uses it too
 
 _PROMPT_KEYS = {"prompt", "images", "multi_modal_data"}
 

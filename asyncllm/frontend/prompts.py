@@ -87,9 +87,9 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
     With ``max_model_len``, a text too long to fit is refused before it is tokenized. ``multimodal``: a
     vision-language model's MultiModalProcessor (frontend/multimodal.py); ``images``: the prompt's
     ImageInputs (none without images)."""
-    from .multimodal import is_multimodal_prompt, prompt_images
-
-    if is_multimodal_prompt(prompt):
+    if isinstance(prompt, dict):
+        from .multimodal import is_multimodal_prompt, prompt_images
+    if isinstance(prompt, dict) and is_multimodal_prompt(prompt):
         text, sources = prompt_images(prompt)
         check_utf8_field(text, "prompt")
         _check_text_length(text, tokenizer, max_model_len, "prompt")

@@ -43,18 +43,25 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held as a oneDNN-packed tensor (CPU only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype | None = None) -> None:
+        """``compute_dtype=torch.bfloat16`` on float32 inputs: the weight packed in bf16 and each call's input
+        rounded to bf16 for oneDNN's bf16 matmul (AVX512-BF16: twice float32's multiply-adds per instruction),
+        the output widened back to float32 and the bias added in float32 (dtype="bfloat16" on CPU, docs/cpu.md)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        self.compute_dtype = compute_dtype if compute_dtype is not None and compute_dtype != weight.dtype else None
+        packed_weight = weight.detach().contiguous()
+        if self.compute_dtype is not None:
+            packed_weight = packed_weight.to(self.compute_dtype)
         # A plain attribute, not a parameter: module utilities (.to, state_dict) cannot handle the
         # opaque mkldnn layout, and the engine never moves or saves a loaded model.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(packed_weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype | None = None) -> "PackedLinear":
+        return cls(linear.weight, linear.bias, compute_dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -62,12 +69,18 @@ class PackedLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is not None:
+            out = self._matmul(x.to(self.compute_dtype), None).to(x.dtype)
+            return out if self.bias is None else out + self.bias
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else None
         padded = row_bucket(rows) if rows is not None else None
         if padded is None or padded == rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")[:rows]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
@@ -93,19 +106,21 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def pack_linear_layers(model: nn.Module, extra: dict[str, torch.Tensor] | None = None) -> int:
+def pack_linear_layers(model: nn.Module, extra: dict[str, torch.Tensor] | None = None,
+                       compute_dtype: torch.dtype | None = None) -> int:
     """Replace every ``nn.Linear`` under ``model`` by a :class:`PackedLinear`, in place.
 
     ``extra`` maps attribute names on ``model`` to weights that should become packed linear layers too
-    (the LM head of a model whose head is tied to its embeddings). Returns how many layers were packed.
+    (the LM head of a model whose head is tied to its embeddings); ``compute_dtype``: see PackedLinear.
+    Returns how many layers were packed.
     """
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear.from_linear(linear))
+        setattr(parent, attr, PackedLinear.from_linear(linear, compute_dtype))
     for attr, weight in (extra or {}).items():
-        setattr(model, attr, PackedLinear(weight, None))
+        setattr(model, attr, PackedLinear(weight, None, compute_dtype))
     count = len(targets) + len(extra or {})
     logger.info("packed %d linear layers for oneDNN", count)
     return count

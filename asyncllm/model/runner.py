@@ -233,7 +233,9 @@ class ModelRunner:
             self.model.lm_head = panel_head  # not an nn.Linear: packing leaves it alone
             if tied and not self.tp.enabled:  # the table is read from the head's panels: held once, not twice
                 self.model.model.embed_tokens = PanelEmbedding(panel_head)
-        pack_linear_layers(self.model, extra={"lm_head": head} if tied and panel_head is None else None)
+        # dtype="bfloat16": prefill (and any step off the decode stack) through oneDNN's bf16 matmuls
+        pack_linear_layers(self.model, extra={"lm_head": head} if tied and panel_head is None else None,
+                           compute_dtype=torch.bfloat16 if self.bf16_weights and _bf16_matmuls() else None)
 
     @property
     def kv_layout(self) -> tuple[int, int, bool]:
@@ -474,6 +476,11 @@ class _Gathers(NamedTuple):
     def of(cls, step: StepInput, device: torch.device) -> "_Gathers":
         logit = None if _is_range(step.logit_rows, len(step.token_ids)) else to_device(step.logit_rows, device)
         return cls(logit, to_device(step.pool_rows, device) if step.pool_rows else None)
+
+
+def _bf16_matmuls() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16 or AMX)."""
+    return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
 
 
 @torch.no_grad()

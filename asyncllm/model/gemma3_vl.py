@@ -11,7 +11,6 @@ takes the block as a span (``AttentionMetadata.bidirectional``).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ from ..errors import ModelLoadError
 from .gemma3 import Gemma3ForCausalLM
 from .shape import DecoderShape
 from .step_io import ImageInput
+from .vision_language import COMPOSITE_RENAMES, VisionLanguageModel
 from .vision_tower import VisionTower
 
 
@@ -60,12 +60,10 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(normed.to(states.dtype), self.mm_input_projection_weight)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(VisionLanguageModel, Gemma3ForCausalLM):
     """The Gemma 3 decoder with the SigLIP tower and projector beside it (``encode_images``)."""
 
-    renamed = {"model.language_model": "model", "language_model.model": "model", "language_model.lm_head": "lm_head",
-               "model.vision_tower": "vision_tower", "model.multi_modal_projector": "multi_modal_projector",
-               **Gemma3ForCausalLM.renamed}
+    renamed = {**COMPOSITE_RENAMES, **Gemma3ForCausalLM.renamed}
     gguf_architectures = ()
 
     def __init__(self, shape: DecoderShape, rotaries, backend, lora=None, tp=None, full=None) -> None:
@@ -77,17 +75,13 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.multi_modal_projector = Gemma3Projector(self.spec, shape.hidden_size)
 
     @classmethod
-    def language_config(cls, config):
-        text = getattr(config, "text_config", None)
-        if text is None:
-            return config
-        text = copy.deepcopy(text)
-        text.architectures = list(getattr(config, "architectures", None) or [cls.__name__])
-        text.vision_spec = Gemma3VisionSpec(config.vision_config, int(config.image_token_id),
-                                            int(config.mm_tokens_per_image))
-        # the composite config's tie (Gemma 3 ties its head to the embeddings)
-        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
-        return text
+    def vision_spec(cls, config) -> Gemma3VisionSpec:
+        return Gemma3VisionSpec(config.vision_config, int(config.image_token_id), int(config.mm_tokens_per_image))
+
+    @classmethod
+    def ties_embeddings(cls, config, text) -> bool:
+        """The composite config's tie (Gemma 3 ties its head to the embeddings)."""
+        return bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -99,14 +93,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             raise ModelLoadError(f"{cls.__name__}: vision tower {vision_type!r} (config key vision_config.model_type) "
                                  "is not supported; supported: siglip_vision_model")
         super().check_config(text)
-
-    @classmethod
-    def read_shape(cls, config) -> DecoderShape:
-        shape = super().read_shape(config)
-        shape.vision = getattr(config, "vision_spec", None)
-        if shape.vision is None:
-            raise ModelLoadError(f"{cls.__name__}: the config has no vision_config")
-        return shape
 
     @classmethod
     def prepare_weight(cls, name: str, tensor: torch.Tensor, from_gguf: bool = False) -> torch.Tensor:

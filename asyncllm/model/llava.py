@@ -14,7 +14,6 @@ Checkpoints in both of transformers' layouts load: ``model.language_model.*`` /
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from ..errors import ModelLoadError
 from .llama import LlamaForCausalLM
 from .shape import DecoderShape
 from .step_io import ImageInput
+from .vision_language import COMPOSITE_RENAMES, LoadsOwnTensors, VisionLanguageModel
 from .vision_tower import VISION_TYPES, VisionTower, activation, feature_layer_index
 
 _TEXT_TYPES = ("llama", "mistral")
@@ -42,7 +42,7 @@ class VisionSpec:
     projector_bias: bool
 
 
-class LlavaProjector(nn.Module):
+class LlavaProjector(LoadsOwnTensors):
     """linear_1, the activation, linear_2: the tower's width (times its feature layers) to the text width."""
 
     def __init__(self, vision_width: int, text_width: int, act: str, bias: bool) -> None:
@@ -54,23 +54,11 @@ class LlavaProjector(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
 
-    def load_checkpoint_tensor(self, path: str, name: str, tensor, original: str) -> str:
-        params = dict(self.named_parameters())
-        if name not in params or tuple(params[name].shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"unexpected tensor {original!r} of shape {tuple(tensor.shape)} in checkpoint")
-        params[name].data.copy_(tensor)
-        return f"{path}.{name}:None"
 
-    def expected_pieces(self, path: str) -> set[str]:
-        return {f"{path}.{name}:None" for name, _ in self.named_parameters()}
-
-
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
     """The Llama decoder with a vision tower and projector beside it (``encode_images``)."""
 
-    renamed = {"model.language_model": "model", "language_model.model": "model", "language_model.lm_head": "lm_head",
-               "model.vision_tower": "vision_tower", "model.multi_modal_projector": "multi_modal_projector",
-               **LlamaForCausalLM.renamed}
+    renamed = {**COMPOSITE_RENAMES, **LlamaForCausalLM.renamed}
     gguf_architectures = ()
 
     def __init__(self, shape: DecoderShape, rotaries, backend, lora=None, tp=None, full=None) -> None:
@@ -84,18 +72,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.multi_modal_projector = LlavaProjector(width, shape.hidden_size, spec.projector_act, spec.projector_bias)
 
     # ---- the declaration ----
-
-    @classmethod
-    def language_config(cls, config):
-        """The nested ``text_config`` (named after this architecture, so that the registry finds this class
-        again), carrying the vision side's facts for ``read_shape``."""
-        text = getattr(config, "text_config", None)
-        if text is None:
-            return config
-        text = copy.deepcopy(text)
-        text.architectures = list(getattr(config, "architectures", None) or [cls.__name__])
-        text.vision_spec = cls.vision_spec(config)
-        return text
 
     @classmethod
     def vision_spec(cls, config) -> VisionSpec:
@@ -125,14 +101,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             cls.vision_spec(config)
             return
         super().check_config(config)
-
-    @classmethod
-    def read_shape(cls, config) -> DecoderShape:
-        shape = super().read_shape(config)
-        shape.vision = getattr(config, "vision_spec", None)
-        if shape.vision is None:
-            raise ModelLoadError(f"{cls.__name__}: the config has no vision_config")
-        return shape
 
     # ---- the vision side ----
 

@@ -19,7 +19,6 @@ Checkpoints in both layouts load: ``model.language_model.*`` / ``model.visual.*`
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from .qwen_vision import QwenVisionTower
 from .rotary import MRotaryEmbedding
 from .shape import DecoderShape
 from .step_io import ImageInput
+from .vision_language import VisionLanguageModel
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class QwenVisionSpec:
     windowed: bool           # Qwen2.5-VL's tower (window attention, RMSNorm, SwiGLU)
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel, Qwen2ForCausalLM):
     """The Qwen2 decoder with M-RoPE and Qwen2-VL's vision tower beside it (``encode_images``)."""
 
     renamed = {"model.language_model": "model", "model.visual": "visual", **Qwen2ForCausalLM.renamed}
@@ -64,19 +64,9 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     # ---- the declaration ----
 
     @classmethod
-    def language_config(cls, config):
-        """The nested ``text_config`` (named after this architecture, so that the registry finds this class
-        again), carrying the vision side's facts for ``read_shape``."""
-        text = getattr(config, "text_config", None)
-        if text is None:
-            return config
-        text = copy.deepcopy(text)
-        text.architectures = list(getattr(config, "architectures", None) or [cls.__name__])
-        # the composite config holds the tying (transformers 5); older saves kept it in the text config
-        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
-                                        or getattr(text, "tie_word_embeddings", False))
-        text.vision_spec = cls.vision_spec(config)
-        return text
+    def ties_embeddings(cls, config, text) -> bool:
+        """The composite config holds the tying (transformers 5); older saves kept it in the text config."""
+        return bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
 
     @classmethod
     def vision_spec(cls, config) -> QwenVisionSpec:
@@ -100,14 +90,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         params = getattr(config, "rope_parameters", None) or {}
         if "mrope_section" not in params:
             raise ModelLoadError(f"{cls.__name__}: the config has no rope_parameters.mrope_section")
-
-    @classmethod
-    def read_shape(cls, config) -> DecoderShape:
-        shape = super().read_shape(config)
-        shape.vision = getattr(config, "vision_spec", None)
-        if shape.vision is None:
-            raise ModelLoadError(f"{cls.__name__}: the config has no vision_config")
-        return shape
 
     @classmethod
     def make_rotaries(cls, config, shape: DecoderShape, max_positions: int) -> list:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from .vision_language import LoadsOwnTensors
 from .vision_tower import activation
 
 QWEN_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")  # the vision config's model_type, less "_vision"
@@ -107,7 +108,7 @@ class _Merger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))
 
 
-class QwenVisionTower(nn.Module):
+class QwenVisionTower(LoadsOwnTensors):
     """Qwen2-VL's (``windowed=False``) or Qwen2.5-VL's vision transformer; ``forward(pixels, grid)`` gives one
     image's merged rows, [t * h * w / merge**2, out width]."""
 
@@ -185,18 +186,3 @@ class QwenVisionTower(nn.Module):
         """``x``'s rows regrouped: merge block ``order[i]`` becomes the i-th."""
         unit = self.merge ** 2
         return x.view(-1, unit, *x.shape[1:])[order.to(x.device)].reshape(x.shape)
-
-    # ---- loading: the tower takes every checkpoint tensor under its name ----
-
-    def load_checkpoint_tensor(self, path: str, name: str, tensor, original: str) -> str:
-        params = dict(self.named_parameters())
-        if name not in params:
-            raise ModelLoadError(f"unexpected tensor {original!r} in checkpoint (no matching parameter)")
-        if tuple(params[name].shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"tensor {original!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-        params[name].data.copy_(tensor)
-        return f"{path}.{name}:None"
-
-    def expected_pieces(self, path: str) -> set[str]:
-        return {f"{path}.{name}:None" for name, _ in self.named_parameters()}

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from .vision_language import LoadsOwnTensors
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 
@@ -94,7 +95,7 @@ class _Embeddings(nn.Module):
         return patches + self.position_embedding.weight
 
 
-class VisionTower(nn.Module):
+class VisionTower(LoadsOwnTensors):
     """A CLIP or SigLIP vision transformer; ``hidden_states(pixels, upto)`` gives the states after
     layers ``0..upto`` (0: the embeddings), as transformers' ``output_hidden_states`` numbers them."""
 
@@ -128,24 +129,11 @@ class VisionTower(nn.Module):
         last = self.hidden_states(pixels, self.num_layers)[-1]
         return last if self.clip else self.post_layernorm(last)
 
-    # ---- loading: the tower takes every checkpoint tensor under its name ----
-
-    def load_checkpoint_tensor(self, path: str, name: str, tensor, original: str) -> str | None:
-        """``name``: the tensor's name under the tower (a leading ``vision_model.`` is the older layout's)."""
+    def checkpoint_name(self, name: str) -> str | None:
+        """A leading ``vision_model.`` is the older layout's; SigLIP's attention-pooling head and a saved
+        position table are not used here."""
         name = name.removeprefix("vision_model.")
-        if name.startswith("head.") or name == "embeddings.position_ids":
-            return None  # SigLIP's attention-pooling head and a saved position table: not used here
-        params = dict(self.named_parameters())
-        if name not in params:
-            raise ModelLoadError(f"unexpected tensor {original!r} in checkpoint (no matching parameter)")
-        if tuple(params[name].shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"tensor {original!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-        params[name].data.copy_(tensor)
-        return f"{path}.{name}:None"
-
-    def expected_pieces(self, path: str) -> set[str]:
-        return {f"{path}.{name}:None" for name, _ in self.named_parameters()}
+        return None if name.startswith("head.") or name == "embeddings.position_ids" else name
 
 
 def feature_layer_index(layer: int, num_layers: int) -> int:

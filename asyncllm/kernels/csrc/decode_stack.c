@@ -392,42 +392,27 @@ static const panel_tile_bf16_fn panel_tiles_bf16[PANEL_ROWS + 1] = {
     panel_tile_bf16_6, panel_tile_bf16_7, panel_tile_bf16_8, panel_tile_bf16_9, panel_tile_bf16_10,
     panel_tile_bf16_11, panel_tile_bf16_12};
 
-/* project_panels for bfloat16 panels */
-static void project_panels_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, float *y,
-                                int64_t N) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
-            float out[PANEL_ROWS * PANEL];
-            panel_tiles_bf16[m1 - m0](x + m0 * K, K, W + p * K * PANEL, out, W + (p + 1) * K * PANEL, t, tiles);
-            for (int64_t m = m0; m < m1; m++)
-                for (int64_t j = 0; j < cols; j++)
-                    y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
-        }
-    }
-}
-
 /* y[m][n] = x[m] . W[n] (+ bias) with W in panels; the threads split the panels, each panel goes
- * through the rows in tiles of at most PANEL_ROWS, balanced (32 rows: 10 + 11 + 11). */
-static void project_panels(const float *x, int64_t M, int64_t K, const float *W, const float *bias, float *y,
-                           int64_t N) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
-            float out[PANEL_ROWS * PANEL];
-            panel_tiles[m1 - m0](x + m0 * K, K, W + p * K * PANEL, out, W + (p + 1) * K * PANEL, t, tiles);
-            for (int64_t m = m0; m < m1; m++)
-                for (int64_t j = 0; j < cols; j++)
-                    y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
-        }
+ * through the rows in tiles of at most PANEL_ROWS, balanced (32 rows: 10 + 11 + 11). One body for both
+ * weight types (float32 panels: project_panels, bf16 panels: project_panels_bf16). */
+#define PROJECT_PANELS(NAME, WT, TILES)                                                                          \
+    static void NAME(const float *x, int64_t M, int64_t K, const WT *W, const float *bias, float *y, int64_t N) { \
+        const int64_t panels = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS;             \
+        _Pragma("omp for schedule(static)")                                                                    \
+        for (int64_t p = 0; p < panels; p++) {                                                                 \
+            const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;                               \
+            for (int64_t t = 0; t < tiles; t++) {                                                              \
+                const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;                                    \
+                float out[PANEL_ROWS * PANEL];                                                                 \
+                TILES[m1 - m0](x + m0 * K, K, W + p * K * PANEL, out, W + (p + 1) * K * PANEL, t, tiles);        \
+                for (int64_t m = m0; m < m1; m++)                                                              \
+                    for (int64_t j = 0; j < cols; j++)                                                         \
+                        y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);          \
+            }                                                                                                  \
+        }                                                                                                      \
     }
-}
+PROJECT_PANELS(project_panels, float, panel_tiles)
+PROJECT_PANELS(project_panels_bf16, uint16_t, panel_tiles_bf16)
 #endif
 
 /* panel_linear_f32 with bfloat16 panels (the LM head of a dtype="bfloat16" model): 0, or 1 without AVX-512. */

@@ -6,16 +6,13 @@ are what makes it equal; a repeated image hits the prefix cache, and a cached pr
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import io
 
-import numpy as np
 import openai
 import pytest
 import torch
-from PIL import Image
 from server_helpers import serve_in_thread
+from vision_helpers import data_url, greedy_reference, random_image as _image
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.server import create_app
@@ -23,10 +20,6 @@ from asyncllm.toy.gemma3_vision import BOI, TOKENS_PER_IMAGE, build_gemma3_visio
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [(f"hello {BOI} world", [0]), (f"a {BOI} b {BOI} c", [0, 1])]
-
-
-def _image(seed: int, size=(40, 50)) -> Image.Image:
-    return Image.fromarray((np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8"))
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +32,7 @@ def reference(gemma_dir):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model = AutoModelForImageTextToText.from_pretrained(gemma_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(gemma_dir)
-
-    def greedy(text: str, images: list, special: bool = True) -> list[int]:
-        enc = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special)
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=8, do_sample=False)
-        return out[0, enc["input_ids"].shape[1]:].tolist()
-
-    greedy.processor = processor
-    return greedy
+    return greedy_reference(model, AutoProcessor.from_pretrained(gemma_dir))
 
 
 @pytest.mark.parametrize("budget", [None, 8, 3], ids=["whole-prompt", "chunked", "budget-below-an-image"])
@@ -80,11 +64,6 @@ def test_chat_async_and_server_equal_transformers(gemma_dir, reference):
              {"type": "image"}]
     text = reference.processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
     expected = reference(text, images, special=False)
-
-    def data_url(image):
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
     content = [{"type": "text", "text": "compare "}, {"type": "image_url", "image_url": {"url": data_url(images[0])}},
                {"type": "text", "text": " with "}, {"type": "image_url", "image_url": {"url": data_url(images[1])}}]

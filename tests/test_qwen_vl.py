@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 from server_helpers import serve_in_thread
+from vision_helpers import greedy_reference
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import ModelLoadError
@@ -56,14 +57,7 @@ def hf_model(vlm_dir):
 def reference(vlm_dir, hf_model):
     processor = load_processor(vlm_dir)
 
-    def greedy(text: str, images: list, max_new_tokens: int = 8, special: bool = True) -> list[int]:
-        enc = processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=special)
-        with torch.no_grad():
-            out = hf_model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, enc["input_ids"].shape[1]:].tolist()
-
-    greedy.processor = processor
-    return greedy
+    return greedy_reference(hf_model, processor)
 
 
 @pytest.fixture(scope="module")

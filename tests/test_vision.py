@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import struct
 import time
 import zlib
 
-import numpy as np
 import openai
 import pytest
 import torch
-from PIL import Image
 from server_helpers import assert_error, request, serve_in_thread
+from vision_helpers import data_url as _data_url, greedy_reference, png_bytes as _png, random_image as _image
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import InvalidRequestError
@@ -25,20 +23,6 @@ from asyncllm.server import create_app
 from asyncllm.toy.vision import build_vision_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def _image(seed: int, size=(40, 50)) -> Image.Image:
-    return Image.fromarray((np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8"))
-
-
-def _png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _data_url(image: Image.Image) -> str:
-    return "data:image/png;base64," + base64.b64encode(_png(image)).decode()
 
 
 def _huge_png_header(width: int, height: int) -> bytes:
@@ -59,16 +43,7 @@ def reference(vlm_dir):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(vlm_dir)
-
-    def greedy(text: str, images: list, max_new_tokens: int = 8, special: bool = True) -> list[int]:
-        enc = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=special)
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, enc["input_ids"].shape[1]:].tolist()
-
-    greedy.processor = processor
-    return greedy
+    return greedy_reference(model, AutoProcessor.from_pretrained(vlm_dir))
 
 
 @pytest.fixture(scope="module")

@@ -296,23 +296,27 @@ static void gemv1_i8_madd(const int16_t *xq, const float *xs, int64_t K, const i
 #define PANEL 32
 #define PANEL_ROWS 12      /* most rows per tile: 24 accumulators + 2 weight vectors of 32 zmm */
 #define PANEL_PREFETCH 512 /* floats ahead in a panel streamed by a single tile: 2 KiB, 16 input columns */
-#define PANEL_TILE(R)                                                                                         \
-    static __attribute__((noinline)) void panel_tile_##R(const float *x, int64_t K, const float *P, float *out, \
-                                                         const float *next, int64_t phase, int64_t tiles) {   \
+/* One register tile of R rows over one panel, for float32 panels (LOAD = _mm512_loadu_ps) and bf16 panels
+ * (LOAD = widen_bf16, below): a panel row is 32 weights, two zmm vectors once loaded. */
+#define PANEL_TILE_T(R, SUFFIX, WT, LOAD)                                                                     \
+    static __attribute__((noinline)) void panel_tile##SUFFIX##_##R(const float *x, int64_t K, const WT *P,    \
+                                                                   float *out, const WT *next,                \
+                                                                   int64_t phase, int64_t tiles) {            \
         __m512 a[R], b[R];                                                                                    \
         for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();                                        \
         for (int64_t k = 0, turn = phase; k < K; k++) {                                                       \
-            const float *w = P + PANEL * k;                                                                   \
-            /* one tile: stream this panel, PANEL_PREFETCH ahead (into the next panel at the end); several:  \
-               each tile fetches its share of the next panel's rows (every tiles-th), so the DRAM traffic  \
-               spreads over all of them instead of stalling the first */                                  \
-            const float *ahead = tiles == 1 ? w + PANEL_PREFETCH : turn == 0 ? next + PANEL * k : NULL;       \
+            const WT *w = P + PANEL * k;                                                                      \
+            /* one tile: stream this panel, PANEL_PREFETCH floats' worth of bytes ahead (into the next panel \
+               at the end); several: each tile fetches its share of the next panel's rows (every tiles-th), \
+               so the DRAM traffic spreads over all of them instead of stalling the first */                \
+            const WT *ahead = tiles == 1 ? w + PANEL_PREFETCH * 4 / sizeof(WT) : turn == 0 ? next + PANEL * k \
+                                                                                          : NULL;             \
             if (ahead) {                                                                                      \
                 __builtin_prefetch(ahead, 0, 3);                                                              \
                 __builtin_prefetch(ahead + 16, 0, 3);                                                         \
             }                                                                                                 \
             turn = turn + 1 == tiles ? 0 : turn + 1;                                                          \
-            const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);                              \
+            const __m512 w0 = LOAD(w), w1 = LOAD(w + 16);                                                     \
             for (int r = 0; r < R; r++) {                                                                     \
                 const __m512 xr = _mm512_set1_ps(x[r * K + k]);                                               \
                 a[r] = _mm512_fmadd_ps(xr, w0, a[r]);                                                         \
@@ -324,6 +328,7 @@ static void gemv1_i8_madd(const int16_t *xq, const float *xs, int64_t K, const i
             _mm512_storeu_ps(out + PANEL * r + 16, b[r]);                                                     \
         }                                                                                                     \
     }
+#define PANEL_TILE(R) PANEL_TILE_T(R, , float, _mm512_loadu_ps)
 PANEL_TILE(1)
 PANEL_TILE(2)
 PANEL_TILE(3)
@@ -349,29 +354,7 @@ static const panel_tile_fn panel_tiles[PANEL_ROWS + 1] = {
 static inline __m512 widen_bf16(const uint16_t *w) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
 }
-#define PANEL_TILE_BF16(R)                                                                                       \
-    static __attribute__((noinline)) void panel_tile_bf16_##R(const float *x, int64_t K, const uint16_t *P,      \
-                                                              float *out, const uint16_t *next, int64_t phase,   \
-                                                              int64_t tiles) {                                   \
-        __m512 a[R], b[R];                                                                                       \
-        for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();                                           \
-        for (int64_t k = 0, turn = phase; k < K; k++) {                                                          \
-            const uint16_t *w = P + PANEL * k;                                                                   \
-            const uint16_t *ahead = tiles == 1 ? w + 2 * PANEL_PREFETCH : turn == 0 ? next + PANEL * k : NULL;   \
-            if (ahead) __builtin_prefetch(ahead, 0, 3); /* a panel row is one cache line */                      \
-            turn = turn + 1 == tiles ? 0 : turn + 1;                                                             \
-            const __m512 w0 = widen_bf16(w), w1 = widen_bf16(w + 16);                                            \
-            for (int r = 0; r < R; r++) {                                                                        \
-                const __m512 xr = _mm512_set1_ps(x[r * K + k]);                                                  \
-                a[r] = _mm512_fmadd_ps(xr, w0, a[r]);                                                            \
-                b[r] = _mm512_fmadd_ps(xr, w1, b[r]);                                                            \
-            }                                                                                                    \
-        }                                                                                                        \
-        for (int r = 0; r < R; r++) {                                                                            \
-            _mm512_storeu_ps(out + PANEL * r, a[r]);                                                             \
-            _mm512_storeu_ps(out + PANEL * r + 16, b[r]);                                                        \
-        }                                                                                                        \
-    }
+#define PANEL_TILE_BF16(R) PANEL_TILE_T(R, _bf16, uint16_t, widen_bf16)
 PANEL_TILE_BF16(1)
 PANEL_TILE_BF16(2)
 PANEL_TILE_BF16(3)

@@ -314,6 +314,13 @@ class AsyncLLM:
                 await event.wait()
                 event.clear()
                 if rid in bridge.errors:
+                    # tokens made before the failure reach the consumer first (a loop running behind the engine
+                    # may see several steps' outputs and the fault at one wake-up), then the error
+                    delta = state.take_delta()
+                    if _has_news(delta):
+                        event.set()
+                        yield state, delta
+                        continue
                     raise bridge.errors.pop(rid)
                 # read before yielding: a request that finishes while the consumer holds this delta
                 # must still hand out its last one (tokens and finish_reason) at the next wake-up

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import subprocess
 import sys
@@ -38,28 +39,43 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port outside both the kernel's ephemeral range (32768-60999) and Ray's worker ports
+    (10002-19999): a port the OS hands out for port 0 can be taken again by any process's outgoing
+    connection, or by one of Ray's workers, before the child binds it."""
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def start_serve(model: str, *args: str, env: dict | None = None, timeout: float = 60) -> tuple[subprocess.Popen, str]:
     """``asyncllm serve MODEL --port P ARGS...`` in a child process, once /health answers 200;
-    returns the process (stdout and stderr merged, as text) and its base URL."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "serve", model, "--port", str(port), *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not start: {proc.communicate()[0][-2000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            time.sleep(0.1)
+    returns the process (stdout and stderr merged, as text) and its base URL. A child that lost its
+    port to another process between our check and its bind is started again on another port."""
+    for attempt in range(3):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "serve", model, "--port", str(port), *args],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                output = proc.communicate()[0]
+                if attempt < 2 and ("Failed to bind" in output or "address already in use" in output.lower()):
+                    break
+                raise AssertionError(f"server did not start: {output[-2000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    return proc, base
+            except httpx.TransportError:
+                time.sleep(0.1)
+    raise AssertionError("server did not start")  # unreachable: the last attempt raises above
 
 
 @contextlib.contextmanager

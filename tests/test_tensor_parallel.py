@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from asyncllm.errors import ConfigError, EngineDeadError
 from asyncllm.model.gguf_weights import QuantizedRows
 from asyncllm.model.shape import DecoderShape
 from checkpoints import reference_greedy
+from server_helpers import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[11, 42, 7, 300, 25], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [900]]
@@ -220,16 +220,10 @@ def test_one_tensor_parallel_engine_per_process_and_idle_keep_alive(llama_dir, m
         assert again.generate([PROMPTS[2]], GREEDY)[0].outputs[0].token_ids
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_on_loopback(llama_dir, monkeypatch):
     """Node 1 is ``asyncllm serve MODEL --tensor-parallel-size 2 --nnodes 2 --node-rank 1`` (it runs
     rank 1 only); node 0 is this process's engine. They meet through MASTER_ADDR/MASTER_PORT."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     node1 = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "serve", str(llama_dir),
                               "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"], env=env)

@@ -615,8 +615,8 @@ def compare(host: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
     """The issue's ratios, from the pooled figures."""
     alone, loaded = host["alone"]["latency_ms"], host["with_engine"]["latency_ms"]
     tokens = round(engine["with_host"]["tokens_per_s"] / engine["alone"]["tokens_per_s"], 3)
-    ratios = {"host_p50_ratio": round(loaded["p50"] / alone["p50"], 2),
-              "host_p99_ratio": round(loaded["p99"] / alone["p99"], 2), "engine_tokens_per_s_ratio": tokens}
+    ratios = {"host_p50_ratio": round(loaded["p50"] / alone["p50"], 3),
+              "host_p99_ratio": round(loaded["p99"] / alone["p99"], 3), "engine_tokens_per_s_ratio": tokens}
     ratios["met"] = {"host_p99": ratios["host_p99_ratio"] <= TARGETS["host_p99_ratio_max"],
                      "engine_tokens_per_s": tokens >= TARGETS["engine_tokens_per_s_ratio_min"]}
     return ratios

@@ -172,9 +172,9 @@ def _token_logprobs(completion) -> list[float]:
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):  # a dict: one multimodal prompt {"prompt": ..., "images": ...}
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(m, dict) and "prompt" in m
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(m, dict) and ("prompt" in m or "prompt_token_ids" in m)
                                                               and "role" not in m for m in prompts):
-        return list(prompts)  # multimodal prompts
+        return list(prompts)  # multimodal prompts, or vLLM's {"prompt_token_ids": [...]}
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one prompt given as token ids
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(m, dict) for m in prompts):

@@ -58,6 +58,25 @@ def test_bad_prompts(llm, prompt):
     assert info.value.field == "prompt"
 
 
+@pytest.mark.parametrize("prompt, field", [({"prompt_token_ids": []}, "prompt_token_ids"),
+                                           ({"prompt_token_ids": [5, -1]}, "prompt_token_ids"),
+                                           ({"prompt_token_ids": "5"}, "prompt_token_ids"),
+                                           ({"prompt_token_ids": [5], "extra": 1}, "prompt")])
+def test_bad_token_prompts(llm, prompt, field):
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate([prompt])
+    assert info.value.field == field
+
+
+def test_tokens_prompt_equals_a_token_list(llm):
+    """vLLM's ``{"prompt_token_ids": [...]}`` prompt runs the same tokens as the bare list."""
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    ids = llm.tokenizer.encode("Hello there")
+    (as_dict,), (as_list,) = llm.generate([{"prompt_token_ids": ids}], greedy), llm.generate([ids], greedy)
+    assert as_dict.prompt is None and as_dict.prompt_token_ids == ids
+    assert as_dict.outputs[0].token_ids == as_list.outputs[0].token_ids
+
+
 def test_chat_messages_render_with_the_template(llm):
     (out,) = llm.generate([[{"role": "user", "content": "Hello there"}]], SamplingParams(max_tokens=3, temperature=0))
     assert "<|im_start|>assistant" in out.prompt and out.prompt.endswith("\n")

@@ -96,9 +96,15 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: list | No
         if not sources and multimodal is None:  # {"prompt": ..., "images": []} to a text model: just the text
             return text, _encode(tokenizer, text, True, max_model_len), []
         return (text, *_with_images(multimodal, text, sources, True))
+    if isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:  # vLLM's TokensPrompt
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise InvalidRequestError("prompt_token_ids: must be a non-empty list of token ids",
+                                      field="prompt_token_ids")
+        return None, _checked_token_ids(ids, vocab_size, "prompt_token_ids"), []
     if isinstance(prompt, dict):
-        raise InvalidRequestError("prompt: a mapping must hold 'prompt' (and 'images' or 'multi_modal_data')",
-                                  field="prompt")
+        raise InvalidRequestError("prompt: a mapping must hold 'prompt' (and 'images' or 'multi_modal_data') "
+                                  "or only 'prompt_token_ids'", field="prompt")
     if is_chat(prompt) and multimodal is not None:
         chat = prompt if isinstance(prompt, ChatPrompt) else ChatPrompt(list(prompt))
         chat.check()
@@ -152,14 +158,18 @@ def _tokenize_text_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: lis
             raise InvalidRequestError("messages: the chat template rendered an empty prompt", field="messages")
         return text, ids
     if isinstance(prompt, (list, tuple)) and prompt:
-        ids = list(prompt)
-        for token in ids:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-                raise InvalidRequestError(
-                    f"prompt: token id {short_repr(token, 40)} is not an integer in [0, {vocab_size})", field="prompt")
-        return None, ids
+        return None, _checked_token_ids(prompt, vocab_size, "prompt")
     raise InvalidRequestError(
         "prompt: expected a non-empty string, list of token ids or list of chat messages", field="prompt")
+
+
+def _checked_token_ids(ids, vocab_size: int, field: str) -> list[int]:
+    ids = list(ids)
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"{field}: token id {short_repr(token, 40)} is not an integer in [0, {vocab_size})", field=field)
+    return ids
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool, max_model_len: int | None) -> list[int]:

@@ -27,6 +27,7 @@ from ..kernels.torch_attention import TorchAttentionBackend
 from ..kernels.transfer import stage, to_device
 from .cuda_graphs import DecodeGraphs
 from .image_embeddings import ImageEmbeddings
+from .mixed_steps import MixedSplit, split_mixed
 from ..platform import Platform, decide_platform
 from .loader import load_weights
 from ..kernels.quant_linear import Fp8Linear, GroupQuantLinear
@@ -288,15 +289,44 @@ class ModelRunner:
         and the final hidden states (after the last norm) of ``step.pool_rows`` for embeddings."""
         self._copy_blocks(step.block_copies)
         self._prepare_lora(step)
-        input_ids, positions, meta, gathers = self._prepare(step)
-        embeds = self.image_embeddings.embed(input_ids, step.images) if step.images else None
-        hidden = self._forward(input_ids, positions, meta, embeds)
+        split = self._split_mixed(step)
+        if split is not None:
+            hidden, gathers = self._forward_split(step, split), _Gathers.of(step, self.device)
+        else:
+            input_ids, positions, meta, gathers = self._prepare(step)
+            embeds = self.image_embeddings.embed(input_ids, step.images) if step.images else None
+            hidden = self._forward(input_ids, positions, meta, embeds)
         pooled = hidden[gathers.pool_index].float() if step.pool_rows else None
         if not step.logit_rows:  # a step of embedding prompts only: no LM head
             return StepOutput(torch.empty(0, self.shape.vocab_size, device=self.device), pooled)
         if gathers.logit_index is not None:
             hidden = hidden[gathers.logit_index]
         return StepOutput(self.model.compute_logits(hidden).float(), pooled)
+
+    def _split_mixed(self, step: StepInput) -> MixedSplit | None:
+        """A CPU step of decodes and prefill chunks that the decode stack can take the decodes of
+        (model/mixed_steps.py); None: run the step whole."""
+        if (self.decode_stack is None or self.lora.groups or not self._host_decode_path or step.images
+                or step.rope_positions is not None or step.pool_rows or self.length_dependent_rope
+                or step.table_rows is None):
+            return None
+        decodes = sum(1 for n in step.num_new_tokens if n == 1)
+        if not 0 < decodes < step.num_seqs or decodes > self.decode_stack.max_rows:
+            return None
+        self._apply_table_updates(step)  # once, for both parts
+        return split_mixed(step)
+
+    def _forward_split(self, step: StepInput, split: MixedSplit) -> torch.Tensor:
+        """The final hidden states of a mixed step, its decodes through the decode stack and its prefill
+        chunks through the model, in the step's flat order."""
+        ids, positions, meta = self._prepare_rows(split.decodes, chained=False)
+        decoded = self._forward(ids, positions, meta)
+        ids, positions, meta, _ = self._prepare_staged(split.prefills)
+        prefilled = self._forward(ids, positions, meta)
+        hidden = torch.empty(len(step.token_ids), decoded.shape[1], dtype=prefilled.dtype, device=self.device)
+        hidden[torch.from_numpy(split.decode_rows)] = decoded.to(prefilled.dtype)
+        hidden[torch.from_numpy(split.prefill_rows)] = prefilled
+        return hidden
 
     def _prepare_lora(self, step: StepInput) -> None:
         """Slot the step's adapters and group its tokens by slot (no adapters: nothing to do)."""

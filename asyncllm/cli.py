@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an image's encoded size (default 20 MiB; raise --max-body-bytes for data: URLs too)")
     media.add_argument("--max-image-pixels", type=int, default=None, metavar="N",
                        help="width x height of an image (default 40000000)")
-    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                       help="image parts may name files under DIR (default: no files)")
+    media.add_argument("--allowed-local-media-path", action="append", default=None, metavar="DIR",
+                       help="image parts may name files under DIR (repeat for more directories; default: no files)")
     media.add_argument("--allowed-media-domains", type=lambda v: [d for d in v.split(",") if d], default=None,
                        metavar="HOST[,HOST]", help="fetch http(s) image URLs of these hosts ('*': any; default: none)")
     media.add_argument("--media-fetch-timeout", type=float, default=None, metavar="SECONDS",

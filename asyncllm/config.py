@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import ConfigError
 
@@ -48,7 +48,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict | None = None  # {"image": N}: images per prompt (default 8)
     max_image_bytes: int = 20 * 2**20          # an image's encoded size (a data: URL, a file, a download)
     max_image_pixels: int = 40_000_000         # width x height, checked before the pixels are decoded
-    allowed_local_media_path: str | None = None  # image parts may name files under this directory
+    allowed_local_media_path: str | Sequence[str] | None = None  # image parts may name files under these directories
     allowed_media_domains: list | None = None  # http(s) image URLs of these hosts are fetched ("*": any); None: none
     media_fetch_timeout: float = 10.0          # seconds for one image download
     image_cache_memory: int = 256 * 2**20      # bytes of encoder outputs kept by image content hash
@@ -140,9 +140,14 @@ class EngineConfig:
         domains = self.allowed_media_domains
         if domains is not None and (isinstance(domains, str) or not all(isinstance(d, str) and d for d in domains)):
             raise ConfigError(f"allowed_media_domains must be a list of host names (or ['*']), got {domains!r}")
-        path = self.allowed_local_media_path
-        if path is not None:
+        paths = self.allowed_local_media_path
+        if paths is not None:
             import os
 
-            if not isinstance(path, str) or not os.path.isdir(path):
-                raise ConfigError(f"allowed_local_media_path must be an existing directory, got {path!r}")
+            listed = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+            if not isinstance(listed, (list, tuple)) or not listed:
+                raise ConfigError("allowed_local_media_path must be a directory or a list of directories, "
+                                  f"got {paths!r}")
+            for path in listed:
+                if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+                    raise ConfigError(f"allowed_local_media_path must name existing directories, got {path!r}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from typing import Iterator
 
 import httpx
 import uvicorn
+from ports import free_port  # noqa: F401 - the server tests import it from here
 
 
 def request(app, method: str, path: str, **kwargs) -> httpx.Response:
@@ -36,21 +36,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     if param is not None:
         assert error["param"] == param, error
     return error
-
-
-def free_port() -> int:
-    """A free port outside both the kernel's ephemeral range (32768-60999) and Ray's worker ports
-    (10002-19999): a port the OS hands out for port 0 can be taken again by any process's outgoing
-    connection, or by one of Ray's workers, before the child binds it."""
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
 
 
 def start_serve(model: str, *args: str, env: dict | None = None, timeout: float = 60) -> tuple[subprocess.Popen, str]:

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 from server_helpers import serve_in_thread
-from vision_helpers import data_url, greedy_reference, random_image as _image
+from vision_helpers import chat_parts, greedy_reference, random_image as _image
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.server import create_app
@@ -58,15 +58,12 @@ def test_the_bidirectional_spans_are_what_makes_it_equal(gemma_dir, reference):
     assert differ > 0
 
 
-def test_chat_async_and_server_equal_transformers(gemma_dir, reference):
-    images = [_image(3), _image(4, (64, 30))]
-    parts = [{"type": "text", "text": "compare "}, {"type": "image"}, {"type": "text", "text": " with "},
-             {"type": "image"}]
+@pytest.mark.parametrize("count", [1, 2], ids=["one-image", "two-images"])
+def test_chat_async_and_server_equal_transformers(gemma_dir, reference, count):
+    images = [_image(3), _image(4, (64, 30))][:count]
+    content, parts = chat_parts(["compare ", " with "], images)
     text = reference.processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
     expected = reference(text, images, special=False)
-
-    content = [{"type": "text", "text": "compare "}, {"type": "image_url", "image_url": {"url": data_url(images[0])}},
-               {"type": "text", "text": " with "}, {"type": "image_url", "image_url": {"url": data_url(images[1])}}]
     llm = AsyncLLM(str(gemma_dir), dtype="float32")
     try:
         async def stream():
@@ -115,3 +112,37 @@ def test_encoder_budget_spreads_images_over_steps(gemma_dir, reference):
     assert out.outputs[0].token_ids == reference(text, images)
     assert max(started) == TOKENS_PER_IMAGE and sum(started) == 3 * TOKENS_PER_IMAGE
     assert sum(1 for n in started if n) == 3  # three steps, one image each
+
+
+def test_lora_on_the_language_model_equals_peft_merged(gemma_dir, reference, tmp_path):
+    """A PEFT adapter on the language model's attention, with an image, equals peft's merged model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from asyncllm import LoRARequest
+
+    torch.manual_seed(5)
+    base = AutoModelForImageTextToText.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                 target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name:
+                param.mul_(3.0)  # large enough to change greedy tokens
+    peft_model.save_pretrained(tmp_path / "adapter")
+    merged = greedy_reference(peft_model.merge_and_unload().eval(), reference.processor)
+    text, images = f"adapt {BOI} this", [_image(23)]
+    llm = LLM(str(gemma_dir), dtype="float32")
+    (plain,) = llm.generate({"prompt": text, "images": images}, GREEDY)
+    (adapted,) = llm.generate({"prompt": text, "images": images}, GREEDY,
+                              lora=LoRARequest("lang", str(tmp_path / "adapter")))
+    assert adapted.outputs[0].token_ids == merged(text, images) != plain.outputs[0].token_ids
+
+
+def test_tp2_with_images_equals_transformers(gemma_dir, reference):
+    text, images = f"split {BOI} over {BOI} ranks", [_image(24), _image(25)]
+    with LLM(str(gemma_dir), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+             kv_cache_memory=4 << 20, block_size=4) as llm:
+        (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
+        assert out.outputs[0].token_ids == reference(text, images)
+        assert llm.stats()["kv_blocks_used"] == 0

@@ -7,8 +7,6 @@ equal transformers' ``get_rope_index``."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 
 import numpy as np
 import openai
@@ -16,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 from server_helpers import serve_in_thread
-from vision_helpers import greedy_reference
+from vision_helpers import chat_parts, greedy_reference
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import ModelLoadError
@@ -33,12 +31,6 @@ SMALL, WIDE = (56, 56), (112, 84)  # 2 x 2 and 4 x 3 merged tokens (the wide one
 
 def _image(seed: int, size=SMALL) -> Image.Image:
     return Image.fromarray((np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8"))
-
-
-def _data_url(image: Image.Image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -129,9 +121,10 @@ def test_repeated_image_hits_the_prefix_cache(vlm_dir, reference):
     assert llm.stats()["kv_blocks_used"] == 0
 
 
-def test_async_stream_and_n_equal_transformers(vlm_dir, reference):
-    images = [_image(9, WIDE), _image(10)]
-    text = f"stream {IMAGE} and {IMAGE} now"
+@pytest.mark.parametrize("count", [1, 2], ids=["one-image", "two-images-of-two-sizes"])
+def test_async_stream_and_n_equal_transformers(vlm_dir, reference, count):
+    images = [_image(9, WIDE), _image(10)][:count]
+    text = f"stream {IMAGE} now" if count == 1 else f"stream {IMAGE} and {IMAGE} now"
     expected = reference(text, images)
 
     async def main():
@@ -151,14 +144,11 @@ def test_async_stream_and_n_equal_transformers(vlm_dir, reference):
     assert [c.token_ids for c in final.outputs] == [expected, expected]  # the children fork after the prompt
 
 
-def test_server_image_parts_through_the_openai_sdk(vlm_dir, reference):
-    images = [_image(11), _image(12, WIDE)]
-    chat = [{"type": "text", "text": "what is "}, {"type": "image_url", "image_url": {"url": _data_url(images[0])}},
-            {"type": "text", "text": " and "}, {"type": "image_url", "image_url": {"url": _data_url(images[1])}}]
-    text = reference.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"},
-                                      {"type": "text", "text": " and "}, {"type": "image"}]}],
-        add_generation_prompt=True)
+@pytest.mark.parametrize("count", [1, 2], ids=["one-image", "two-images-of-two-sizes"])
+def test_server_image_parts_through_the_openai_sdk(vlm_dir, reference, count):
+    images = [_image(11), _image(12, WIDE)][:count]
+    chat, parts = chat_parts(["what is ", " and "], images)
+    text = reference.processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
     # the toy tokenizer is byte-level: a stream ending inside a character holds its last bytes back
     expected = reference.processor.tokenizer.decode(reference(text, images, special=False)).rstrip("\ufffd")
     prompt_tokens = len(reference.processor(text=[text], images=images)["input_ids"][0])

@@ -23,7 +23,7 @@ from asyncllm.errors import ConfigError, EngineDeadError
 from asyncllm.model.gguf_weights import QuantizedRows
 from asyncllm.model.shape import DecoderShape
 from checkpoints import reference_greedy
-from server_helpers import free_port
+from ports import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[11, 42, 7, 300, 25], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [900]]

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 from server_helpers import assert_error, request, serve_in_thread
-from vision_helpers import data_url as _data_url, greedy_reference, png_bytes as _png, random_image as _image
+from vision_helpers import chat_parts, data_url as _data_url, greedy_reference, png_bytes as _png, random_image as _image
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import InvalidRequestError
@@ -102,9 +102,10 @@ def test_repeated_image_hits_the_caches_and_a_different_one_misses(vlm_dir):
     assert llm.stats()["kv_blocks_used"] == 0
 
 
-def test_async_stream_and_n_equal_transformers(vlm_dir, reference):
-    images = [_image(9)]
-    text = "stream <image> now"
+@pytest.mark.parametrize("count", [1, 2], ids=["one-image", "two-images"])
+def test_async_stream_and_n_equal_transformers(vlm_dir, reference, count):
+    images = [_image(9), _image(21)][:count]
+    text = "stream <image> now" if count == 1 else "stream <image> and <image> now"
     expected = reference(text, images)
 
     async def main():
@@ -125,14 +126,11 @@ def test_async_stream_and_n_equal_transformers(vlm_dir, reference):
     assert [c.token_ids for c in final.outputs] == [expected, expected]
 
 
-def test_server_image_parts_through_the_openai_sdk(vlm_dir, reference):
-    images = [_image(10), _image(11)]
-    chat = [{"type": "text", "text": "what is "}, {"type": "image_url", "image_url": {"url": _data_url(images[0])}},
-            {"type": "text", "text": " and "}, {"type": "image_url", "image_url": {"url": _data_url(images[1])}}]
-    text = reference.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"},
-                                      {"type": "text", "text": " and "}, {"type": "image"}]}],
-        add_generation_prompt=True)
+@pytest.mark.parametrize("count", [1, 2], ids=["one-image", "two-images"])
+def test_server_image_parts_through_the_openai_sdk(vlm_dir, reference, count):
+    images = [_image(10), _image(11)][:count]
+    chat, parts = chat_parts(["what is ", " and "], images)
+    text = reference.processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
     expected = reference.processor.tokenizer.decode(reference(text, images, special=False))
     llm = AsyncLLM(str(vlm_dir), dtype="float32")
     try:
@@ -208,14 +206,24 @@ def test_text_models_refuse_images_by_part(model_dirs):
     assert mapped.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
-def test_local_files_under_the_allowed_directory(vlm_dir, tmp_path, reference):
-    path = tmp_path / "cat.png"
-    path.write_bytes(_png(_image(14)))
-    llm = LLM(str(vlm_dir), dtype="float32", allowed_local_media_path=str(tmp_path))
-    (out,) = llm.generate({"prompt": "a <image> b", "images": [str(path)]}, GREEDY)
-    assert out.outputs[0].token_ids == reference("a <image> b", [_image(14)])
+def test_local_files_under_the_allowed_directories(vlm_dir, tmp_path, reference):
+    first, second, other = tmp_path / "cats", tmp_path / "dogs", tmp_path / "private"
+    for folder in (first, second, other):
+        folder.mkdir()
+    (first / "cat.png").write_bytes(_png(_image(14)))
+    (second / "dog.png").write_bytes(_png(_image(15)))
+    (other / "secret.png").write_bytes(_png(_image(16)))
+    (first / "link.png").symlink_to(other / "secret.png")  # a link out of the directory counts as outside
+    text = "a <image> b <image> c"
+    llm = LLM(str(vlm_dir), dtype="float32", allowed_local_media_path=str(first))
     with pytest.raises(InvalidRequestError, match="outside allowed_local_media_path"):
-        llm.generate({"prompt": "a <image> b", "images": [str(tmp_path / ".." / "x.png")]}, GREEDY)
+        llm.generate({"prompt": "a <image> b", "images": [str(second / "dog.png")]}, GREEDY)
+    llm = LLM(str(vlm_dir), dtype="float32", allowed_local_media_path=[str(first), str(second)])
+    (out,) = llm.generate({"prompt": text, "images": [str(first / "cat.png"), f"file://{second}/dog.png"]}, GREEDY)
+    assert out.outputs[0].token_ids == reference(text, [_image(14), _image(15)])
+    for escape in (first / ".." / "private" / "secret.png", first / "link.png"):
+        with pytest.raises(InvalidRequestError, match=r"images\[0\].*outside allowed_local_media_path"):
+            llm.generate({"prompt": "a <image> b", "images": [str(escape)]}, GREEDY)
 
 
 def test_decoding_a_large_image_leaves_the_loop_free(vlm_dir):
@@ -358,10 +366,11 @@ def test_serve_flags_reach_the_image_limits():
 
     args = build_parser().parse_args(["serve", "model", "--limit-mm-per-prompt", '{"image": 2}',
                                       "--allowed-media-domains", "img.example.com,cdn.example.org",
-                                      "--max-image-pixels", "1000000", "--media-fetch-timeout", "2.5"])
+                                      "--max-image-pixels", "1000000", "--media-fetch-timeout", "2.5",
+                                      "--allowed-local-media-path", "/srv/a", "--allowed-local-media-path", "/srv/b"])
     assert engine_extras(args) == {"limit_mm_per_prompt": {"image": 2}, "max_image_pixels": 1000000,
                                    "allowed_media_domains": ["img.example.com", "cdn.example.org"],
-                                   "media_fetch_timeout": 2.5}
+                                   "media_fetch_timeout": 2.5, "allowed_local_media_path": ["/srv/a", "/srv/b"]}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "model", "--limit-mm-per-prompt", "[1]"])
 
@@ -373,6 +382,8 @@ def test_serve_flags_reach_the_image_limits():
     (dict(media_fetch_timeout=float("inf")), "media_fetch_timeout"),
     (dict(allowed_media_domains="example.com"), "allowed_media_domains"),
     (dict(allowed_local_media_path="/no/such/dir"), "allowed_local_media_path"),
+    (dict(allowed_local_media_path=["/tmp", "/no/such/dir"]), "allowed_local_media_path"),
+    (dict(allowed_local_media_path=[]), "allowed_local_media_path"),
 ])
 def test_bad_media_arguments_name_themselves(kwargs, name):
     from asyncllm.config import EngineConfig

@@ -26,6 +26,16 @@ def data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
+def chat_parts(texts: list[str], images: list[Image.Image]) -> tuple[list[dict], list[dict]]:
+    """A user message's content with ``texts[i]`` before ``images[i]``, twice: with the images as openai
+    ``image_url`` data: URLs (the request) and as transformers' ``{"type": "image"}`` (for its chat template)."""
+    request, template = [], []
+    for text, image in zip(texts, images):
+        request += [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+        template += [{"type": "text", "text": text}, {"type": "image"}]
+    return request, template
+
+
 def greedy_reference(model, processor):
     """``greedy(text, images, max_new_tokens=8, special=True)``: transformers' greedy new token ids for the
     prompt as the checkpoint's own processor expands it (``special``: add the tokenizer's special tokens, as a

@@ -31,15 +31,17 @@ class ImagePolicy:
     max_images: int = 8
     max_bytes: int = 20 * 2**20
     max_pixels: int = 40_000_000
-    local_root: str | None = None
+    local_roots: tuple[str, ...] | None = None  # real paths of the allowed directories
     domains: tuple[str, ...] | None = None
     fetch_timeout: float = 10.0
 
     @classmethod
     def from_config(cls, config) -> "ImagePolicy":
-        domains = config.allowed_media_domains
+        domains, roots = config.allowed_media_domains, config.allowed_local_media_path
+        if roots is not None:
+            roots = tuple(os.path.realpath(r) for r in ([roots] if isinstance(roots, (str, os.PathLike)) else roots))
         return cls(config.max_images_per_prompt, config.max_image_bytes, config.max_image_pixels,
-                   config.allowed_local_media_path, tuple(domains) if domains is not None else None,
+                   roots, tuple(domains) if domains is not None else None,
                    float(config.media_fetch_timeout))
 
 
@@ -115,12 +117,12 @@ def _data_url_bytes(url: str, policy: ImagePolicy, field: str) -> bytes:
 
 
 def _read_local(source: str, policy: ImagePolicy, field: str) -> bytes:
-    if policy.local_root is None:
+    if policy.local_roots is None:
         raise InvalidRequestError(f"{field}: local image files are not allowed on this server "
                                   "(allowed_local_media_path is not set)", field=field)
     path = unquote(urlparse(source).path) if source.startswith("file:") else source
-    real, root = os.path.realpath(path), os.path.realpath(policy.local_root)
-    if os.path.commonpath([real, root]) != root:
+    real = os.path.realpath(path)
+    if not any(os.path.commonpath([real, root]) == root for root in policy.local_roots):
         raise InvalidRequestError(f"{field}: the file is outside allowed_local_media_path", field=field)
     try:
         size = os.path.getsize(real)

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 from server_helpers import serve_in_thread
-from vision_helpers import chat_parts, greedy_reference, random_image as _image
+from vision_helpers import assert_encoded_ahead, chat_parts, greedy_reference, run_encoded_ahead, random_image as _image
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.server import create_app
@@ -146,3 +146,17 @@ def test_tp2_with_images_equals_transformers(gemma_dir, reference):
         (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
         assert out.outputs[0].token_ids == reference(text, images)
         assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_an_image_over_the_encoder_budget_is_encoded_ahead_while_a_stream_decodes(gemma_dir, reference):
+    """encoder_token_budget=1 (an image is 4 rows) with a stream decoding: the tower runs a layer a step beside
+    the stream's decodes, and the prompt's chunk then takes the image's rows from the cache."""
+    text, images = f"look {BOI} here", [_image(26)]
+    run = run_encoded_ahead(gemma_dir, reference, text, images)
+    assert assert_encoded_ahead(run) == 2  # the toy tower's two layers, one a step
+
+
+def test_aborting_during_an_encoding_ahead_drops_it(gemma_dir, reference):
+    run = run_encoded_ahead(gemma_dir, reference, f"gone {BOI} soon", [_image(27)], abort=True)
+    assert any(s["ahead"] for s in run["steps"]) and not any(s["images"] for s in run["steps"])
+    assert run["pending"] == 0 and run["kv_blocks_used"] == 0

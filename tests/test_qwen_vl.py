@@ -7,6 +7,7 @@ equal transformers' ``get_rope_index``."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import openai
@@ -14,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 from server_helpers import serve_in_thread
-from vision_helpers import chat_parts, greedy_reference
+from vision_helpers import assert_encoded_ahead, chat_parts, greedy_reference, run_encoded_ahead
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import ModelLoadError
@@ -246,3 +247,11 @@ def test_lora_on_the_language_model_equals_peft_merged(vlm_dir, tmp_path):
     (plain,) = llm.generate(prompt, GREEDY)
     (adapted,) = llm.generate(prompt, GREEDY, lora=LoRARequest("lang", str(tmp_path / "adapter")))
     assert adapted.outputs[0].token_ids == expected != plain.outputs[0].token_ids
+
+
+def test_an_image_over_the_encoder_budget_is_encoded_ahead_while_a_stream_decodes(vlm_dir, reference):
+    """encoder_token_budget=1 with a stream decoding: the tower runs a block a step beside the stream's decodes
+    (M-RoPE positions unchanged), then the prompt's chunk takes the image's rows from the cache."""
+    run = run_encoded_ahead(vlm_dir, reference, f"look {IMAGE} here", [_image(31, WIDE)])
+    depth = json.loads((vlm_dir / "config.json").read_text())["vision_config"]["depth"]
+    assert assert_encoded_ahead(run) == depth >= 2  # the toy towers' blocks, one a step

@@ -15,7 +15,8 @@ import openai
 import pytest
 import torch
 from server_helpers import assert_error, request, serve_in_thread
-from vision_helpers import chat_parts, data_url as _data_url, greedy_reference, png_bytes as _png, random_image as _image
+from vision_helpers import (assert_encoded_ahead, chat_parts, data_url as _data_url, greedy_reference, png_bytes as _png,
+                            random_image as _image, run_encoded_ahead)
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import InvalidRequestError
@@ -441,3 +442,10 @@ def test_forced_tool_call_with_an_image(tmp_path):
     (out,) = llm.generate(messages, SamplingParams(temperature=0, max_tokens=400), tools=tools, tool_choice="required")
     calls = out.outputs[0].tool_calls
     assert calls and calls[0].name == "label" and calls[0].arguments in ('{"animal": "cat"}', '{"animal": "dog"}')
+
+
+def test_an_image_over_the_encoder_budget_is_encoded_ahead_while_a_stream_decodes(vlm_dir, reference):
+    """encoder_token_budget=1 with a stream decoding: the tower's pass runs beside the stream's decodes, before
+    the prompt's chunk, a layer a step up to the feature layer (one or two of the toy towers')."""
+    run = run_encoded_ahead(vlm_dir, reference, "look <image> here", [_image(30)])
+    assert assert_encoded_ahead(run) >= 1

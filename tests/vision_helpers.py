@@ -48,3 +48,107 @@ def greedy_reference(model, processor):
 
     greedy.processor = processor
     return greedy
+
+
+def run_encoded_ahead(model_dir, reference, text: str, images: list, abort: bool = False, **engine_args) -> dict:
+    """A text stream decodes while a prompt with ``images`` joins under ``encoder_token_budget=1`` (below any
+    image's rows): checks both answers against transformers' and that the engine ends with nothing pending or
+    held; returns what each step carried (``steps``: decode rows, images encoded ahead, image rows in the
+    step) and the runner's encoder counters. ``abort``: the image request is aborted during its encoding."""
+    import asyncio
+    import threading
+
+    from asyncllm import AsyncLLM, SamplingParams
+
+    llm = AsyncLLM(str(model_dir), dtype="float32", encoder_token_budget=1, **engine_args)
+    executor, steps = llm.engine.runner, []
+    execute = executor.execute
+    aborted, image_added = threading.Event(), threading.Event()
+    add_request = llm.engine.add_request
+
+    def add(request, *args, **kwargs):
+        add_request(request, *args, **kwargs)
+        if request.images:
+            image_added.set()
+
+    def record(step):
+        if steps:  # the text stream has its first token: it decodes on once the image prompt is in the inbox
+            image_added.wait(30)
+        out = execute(step)
+        steps.append({"decodes": sum(1 for n in step.num_new_tokens if n == 1),
+                      "ahead": [image.content_hash for image in step.encode_ahead],
+                      "images": [rows.image.content_hash for rows in step.images], "ready": list(out.images_ready)})
+        if abort and step.encode_ahead:
+            aborted.wait(30)  # the abort is queued before the engine steps on (it applies it first)
+        return out
+
+    executor.execute = record
+    llm.engine.add_request = add
+    text_params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    image_params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def main_abort():
+        stream = llm.stream_outputs("a text stream that keeps decoding", text_params)
+        text_tokens = list((await stream.__anext__()).outputs[0].token_ids)
+        image = asyncio.ensure_future(_collect(llm.stream_outputs({"prompt": text, "images": images}, image_params,
+                                                                  request_id="image")))
+        while not any(s["ahead"] for s in steps):
+            await asyncio.sleep(0.001)
+        await llm.abort("image")  # mid-encoding: the engine thread waits in record() until this is queued
+        aborted.set()
+        assert await image == []
+        async for out in stream:
+            text_tokens.extend(out.outputs[0].token_ids)
+        return text_tokens, None
+
+    try:
+        if abort:
+            text_tokens, image_tokens = asyncio.run(main_abort())
+        else:
+            text_tokens, image_tokens = asyncio.run(_both(llm, text, images, text_params, image_params))
+        embeddings = llm.engine.runner.image_embeddings
+        result = {"steps": steps, "text_tokens": text_tokens, "image_tokens": image_tokens,
+                  "images_encoded": embeddings.images_encoded, "stages_run": embeddings.stages_run,
+                  "cache_hits": embeddings.cache_hits, "pending": embeddings.pending,
+                  "kv_blocks_used": llm.stats()["kv_blocks_used"]}
+    finally:
+        llm.close()
+    assert text_tokens == reference("a text stream that keeps decoding", [], max_new_tokens=24)
+    if not abort:
+        assert image_tokens == reference(text, images)
+    return result
+
+
+async def _collect(stream) -> list[int]:
+    tokens = []
+    async for out in stream:
+        tokens.extend(out.outputs[0].token_ids)
+    return tokens
+
+
+async def _both(llm, text, images, text_params, image_params):
+    """The text stream first; the image prompt once it has its first token."""
+    import asyncio
+
+    stream = llm.stream_outputs("a text stream that keeps decoding", text_params)
+    text_tokens = list((await stream.__anext__()).outputs[0].token_ids)
+    image = asyncio.ensure_future(_collect(llm.stream_outputs({"prompt": text, "images": images}, image_params)))
+    async for out in stream:
+        text_tokens.extend(out.outputs[0].token_ids)
+    return text_tokens, await image
+
+
+def assert_encoded_ahead(run: dict) -> int:
+    """The common findings of ``run_encoded_ahead`` (no abort): the tower ran one stage a step, each step
+    also decoding the running stream; the prompt's chunk came after and took the image's rows from the
+    cache (in every chunk, if it spans several); nothing is left pending or held. Returns how many steps the encoding took."""
+    steps = run["steps"]
+    ahead = [s for s in steps if s["ahead"]]
+    assert ahead and len(ahead) == run["stages_run"]
+    assert all(s["decodes"] >= 1 for s in ahead)
+    assert ahead[-1]["ready"] == ahead[-1]["ahead"] and not any(s["ready"] for s in ahead[:-1])
+    chunks = [i for i, s in enumerate(steps) if s["images"]]  # (an image may span several prefill chunks)
+    assert chunks and chunks[0] > steps.index(ahead[-1]) and not any(steps[i]["ahead"] for i in chunks)
+    assert run["images_encoded"] == 1 and run["cache_hits"] == len(chunks)  # no chunk's step encoded it
+    assert run["pending"] == 0 and run["kv_blocks_used"] == 0
+    return len(ahead)

@@ -268,6 +268,8 @@ class EngineCore:
         rows, plans, pools, pool_rows = self._plan_logits(batch)
         self._prefetch_grammar_masks(batch, plans)
         result = self.runner.execute(step_input_of(batch, rows, self.block_table_rows, pool_rows))
+        if result.images_ready:
+            self.scheduler.images_ready(result.images_ready)
         logits = result.logits
         prompt_lps: dict[int, list[dict[int, float]]] = {}
         to_sample: list[tuple[Sequence, int, int]] = []  # (sequence, first logits row, drafts verified)

@@ -50,6 +50,8 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     loras_in_use: set[int] = field(default_factory=set)  # adapter ids of every running sequence
+    encode_ahead: list = field(default_factory=list)  # ImageInputs encoded ahead this step, in order
+    encode_ahead_rows: int = 0                        # the share of the encoder budget they get
 
     @property
     def total_tokens(self) -> int:
@@ -135,6 +137,9 @@ def prompt_logprob_rows(vocab_size: int) -> int:
 # only for this many steps; then admission turns strictly first-come-first-served until it gets in.
 LORA_MAX_SKIPPED_STEPS = 16
 
+# Image hashes remembered as encoded ahead (a few per prompt waiting on one; stale ones cost a re-encode).
+MAX_ENCODED_AHEAD = 256
+
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -161,6 +166,11 @@ class Scheduler:
         self.whole_images = whole_images
         self.encoder_budget = encoder_budget
         self._encoder_rows = 0  # image rows this step starts
+        # images the runner has encoded ahead (StepOutput.images_ready), bounded: one evicted here or from
+        # the runner's cache is simply encoded again in its chunk's step
+        self.encoded_ahead: OrderedDict[str, None] = OrderedDict()
+        self._encode_ahead: list = []  # this step's
+        self._step_decodes = 0  # decode rows in this step: streams an image's whole pass would stall
 
     @property
     def num_seats_taken(self) -> int:
@@ -180,7 +190,9 @@ class Scheduler:
         self._preempted_this_step = set()
         self._prompt_logprob_rows_left = self.max_prompt_logprob_rows or 0
         self._encoder_rows = 0
+        self._encode_ahead = []
         preempted, prefilling = self._schedule_decodes(batch)
+        self._step_decodes = len(batch)
         allowance = self._prefill_allowance(batch, prefilling)
         preempted = self._schedule_running_prefills(batch, prefilling, allowance) or preempted
         if not preempted:  # a pool that just ran dry admits nobody new this step
@@ -188,7 +200,18 @@ class Scheduler:
         batch.block_copies = self.kv.pending_copies
         self.kv.pending_copies = []
         batch.loras_in_use = self.loras_in_use()
+        if self._encode_ahead:
+            batch.encode_ahead = self._encode_ahead
+            batch.encode_ahead_rows = max(self.encoder_budget - self._encoder_rows, 0)
         return batch
+
+    def images_ready(self, content_hashes: list[str]) -> None:
+        """The runner has encoded these images ahead: their prompts' chunks may start them."""
+        for key in content_hashes:
+            self.encoded_ahead[key] = None
+            self.encoded_ahead.move_to_end(key)
+        while len(self.encoded_ahead) > MAX_ENCODED_AHEAD:
+            self.encoded_ahead.popitem(last=False)
 
     def loras_in_use(self) -> set[int]:
         return {seq.lora_id for seq in self.running if seq.lora_id is not None}
@@ -358,8 +381,13 @@ class Scheduler:
             first, last = image.offset, image.offset + image.length
             if last <= context or first >= end:
                 continue
-            if first >= context:  # this chunk starts the image's encoding
+            if first >= context and image.content_hash not in self.encoded_ahead:  # the chunk starts its encoding
                 if self.encoder_budget is not None and rows and rows + image.length > self.encoder_budget:
+                    return first - context
+                if self.encoder_budget is not None and image.length > self.encoder_budget and self._step_decodes:
+                    # its whole pass would stall the decoding streams: encode it ahead, a share a step
+                    if all(a.content_hash != image.content_hash for a in self._encode_ahead):
+                        self._encode_ahead.append(image)
                     return first - context
                 rows += image.length
             if self.whole_images and last > end:
@@ -369,8 +397,12 @@ class Scheduler:
         return end - context
 
     def _spend_encoder_rows(self, seq: Sequence, context: int, num_new: int) -> None:
-        self._encoder_rows += sum(image.length for image in seq.request.images
-                                  if context <= image.offset < context + num_new)
+        for image in seq.request.images:
+            if context <= image.offset < context + num_new:
+                if image.content_hash in self.encoded_ahead:  # its rows are in the runner's cache
+                    del self.encoded_ahead[image.content_hash]
+                else:
+                    self._encoder_rows += image.length
 
     def _outside_images(self, seq: Sequence, cached: list[int]) -> list[int]:
         """Under ``whole_images``, the cached prefix cut back to end where no image is half computed."""

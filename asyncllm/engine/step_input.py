@@ -32,7 +32,8 @@ def step_input_of(batch: ScheduledBatch, logit_rows: list[int], tables: BlockTab
                      block_copies=list(batch.block_copies), loras=[seq.request.lora for seq in batch.seqs],
                      loras_in_use=set(batch.loras_in_use), pool_rows=list(pool_rows),
                      prompt_lens=[len(seq.request.prompt_token_ids) for seq in batch.seqs], images=images,
-                     rope_positions=rope_positions)
+                     rope_positions=rope_positions, encode_ahead=list(batch.encode_ahead),
+                     encode_ahead_rows=batch.encode_ahead_rows)
 
 
 def _image_rows(images: list, start: int, n: int, first_row: int) -> list[ImageRows]:

@@ -20,6 +20,7 @@ from torch import nn
 from ..errors import ModelLoadError
 from .gemma3 import Gemma3ForCausalLM
 from .shape import DecoderShape
+from .encoder_stages import Stages
 from .step_io import ImageInput
 from .vision_language import COMPOSITE_RENAMES, VisionLanguageModel
 from .vision_tower import VisionTower
@@ -105,6 +106,11 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel, Gemma3ForCausalLM):
         """Each image's [tokens_per_image, hidden] rows."""
         pixels = torch.cat([image.pixels["pixel_values"] for image in images])
         return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
+
+    def encode_image_stages(self, image: ImageInput) -> Stages[torch.Tensor]:
+        """One image's rows, a tower layer at a time (model/encoder_stages.py)."""
+        last = yield from self.vision_tower.last_state_stages(image.pixels["pixel_values"])
+        return self.multi_modal_projector(last)[0]
 
     @classmethod
     def image_rows(cls, spec: Gemma3VisionSpec, pixels: dict) -> int:

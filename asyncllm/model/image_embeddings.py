@@ -7,6 +7,11 @@ placeholders' token embeddings. The outputs are kept by the image's content hash
 first out, under a byte budget: a prompt split over several prefill chunks encodes its image once,
 and so does a chat that sends the same screenshot again next turn (its KV may also still be in the
 prefix cache, which keys image blocks by the same hash; engine/request.py).
+
+An image larger than a step's encoder budget is encoded ahead (``advance``): its tower pass is a
+generator (model/encoder_stages.py) resumed in each step for a share of the budget, while the running
+streams decode; once done, its rows are in the cache and the step's output names it, so the scheduler
+lets the prompt's chunk start the image.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections import OrderedDict
 
 import torch
 
+from .encoder_stages import Stages, run_stages
 from .step_io import ImageInput, ImageRows
 
 
@@ -28,6 +34,64 @@ class ImageEmbeddings:
         self._bytes = 0
         self.images_encoded = 0   # encoder runs, one per image (a count the tests and metrics read)
         self.cache_hits = 0       # images whose rows came from the cache
+        self.stages_run = 0       # stages of encodes ahead run (steps of a pass spread over several)
+        self._pending: dict[str, tuple[Stages[torch.Tensor], float]] = {}  # passes under way: (stages, done)
+
+    @property
+    def pending(self) -> int:
+        """Images whose encoding ahead is under way (their passes' activations are held until they finish)."""
+        return len(self._pending)
+
+    def advance(self, images: list[ImageInput], budget_rows: int, keep: set[str] = frozenset()) -> list[str]:
+        """Run the encodings ahead of ``images`` for about ``budget_rows`` image rows of work this step (an
+        image's whole pass counts as its rows; at least one stage runs); the hashes of those now encoded.
+        Passes of images neither listed nor in ``keep`` (the step's own images) are dropped: their
+        requests finished, or were preempted and will start again."""
+        wanted = {image.content_hash for image in images} | set(keep)
+        for key in [k for k in self._pending if k not in wanted]:
+            del self._pending[key]
+        ready, spent = [], 0.0
+        for image in images:
+            key = image.content_hash
+            if key in self._cache:
+                ready.append(key)
+                continue
+            if spent > 0 and spent >= budget_rows:  # the share is spent (a first stage always runs)
+                break
+            stages, done = self._pending.pop(key, None) or (self._stages(image), 0.0)
+            try:
+                while True:
+                    fraction = next(stages)
+                    self.stages_run += 1
+                    spent += (fraction - done) * image.length
+                    done = fraction
+                    if spent >= budget_rows and fraction < 1.0:  # (at 1.0 only the projector is left)
+                        self._pending[key] = (stages, done)
+                        break
+            except StopIteration as finished:
+                self._finish(image, finished.value)
+                ready.append(key)
+        return ready
+
+    def _stages(self, image: ImageInput) -> Stages[torch.Tensor]:
+        """The family's staged pass over ``image``, or its whole pass as a single stage."""
+        staged = getattr(self.model, "encode_image_stages", None)
+        if staged is not None:
+            return staged(image)
+        return self._whole_pass(image)
+
+    def _whole_pass(self, image: ImageInput) -> Stages[torch.Tensor]:
+        (rows,) = self.model.encode_images([image])
+        yield 1.0
+        return rows
+
+    def _finish(self, image: ImageInput, rows: torch.Tensor) -> torch.Tensor:
+        self.images_encoded += 1
+        if rows.shape[0] != image.length:
+            raise RuntimeError(f"the vision encoder gave {rows.shape[0]} rows for an image with "
+                               f"{image.length} placeholders")
+        self._keep(image.content_hash, rows)
+        return rows
 
     def embed(self, input_ids: torch.Tensor, rows: list[ImageRows]) -> torch.Tensor:
         """The step's [tokens, hidden] input embeddings: token embeddings, then each image's rows over its
@@ -46,17 +110,13 @@ class ImageEmbeddings:
                 self._cache.move_to_end(key)
                 found[key] = self._cache[key]
                 self.cache_hits += 1
+            elif key in self._pending:  # encoding ahead, but its chunk came first: the rest of the pass now
+                found[key] = self._finish(image, run_stages(self._pending.pop(key)[0]))
             else:
                 missing.append(image)
         if missing:
-            encoded = self.model.encode_images(missing)
-            self.images_encoded += len(missing)
-            for image, rows in zip(missing, encoded):
-                if rows.shape[0] != image.length:
-                    raise RuntimeError(f"the vision encoder gave {rows.shape[0]} rows for an image with "
-                                       f"{image.length} placeholders")
-                found[image.content_hash] = rows
-                self._keep(image.content_hash, rows)
+            for image, rows in zip(missing, self.model.encode_images(missing)):
+                found[image.content_hash] = self._finish(image, rows)
         return found
 
     def _keep(self, key: str, rows: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from ..errors import ModelLoadError
 from .llama import LlamaForCausalLM
 from .shape import DecoderShape
+from .encoder_stages import Stages, run_stages
 from .step_io import ImageInput
 from .vision_language import COMPOSITE_RENAMES, LoadsOwnTensors, VisionLanguageModel
 from .vision_tower import VISION_TYPES, VisionTower, activation, feature_layer_index
@@ -106,12 +107,25 @@ class LlavaForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
 
     def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
         """Each image's [placeholders, hidden] embeddings (images of one size are encoded together)."""
-        pixels = torch.cat([image.pixels["pixel_values"] for image in images])
-        states = self.vision_tower.hidden_states(pixels, max(self.spec.feature_layers))
+        return run_stages(self._encode_stages(images))
+
+    def encode_image_stages(self, image: ImageInput) -> Stages[torch.Tensor]:
+        """One image's embeddings, a tower layer at a time (model/encoder_stages.py)."""
+        (rows,) = yield from self._encode_stages([image])
+        return rows
+
+    def _encode_stages(self, images: list[ImageInput]) -> Stages[list[torch.Tensor]]:
+        tiles = [image.pixels["pixel_values"] for image in images]
+        states = yield from self.vision_tower.hidden_state_stages(torch.cat(tiles), max(self.spec.feature_layers))
         features = torch.cat([states[i] for i in self.spec.feature_layers], dim=-1)
         if not self.spec.keep_class_token:
             features = features[:, 1:]
         projected = self.multi_modal_projector(features)
+        return self._image_rows(projected, tiles, images)
+
+    def _image_rows(self, projected: torch.Tensor, tiles: list[torch.Tensor],
+                    images: list[ImageInput]) -> list[torch.Tensor]:
+        """The projected tower rows ([tiles, patches, hidden]) as each image's placeholder rows."""
         return list(projected.unbind(0))
 
     @classmethod
@@ -167,14 +181,10 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         return [{"pixel_values": pixels[i, :tiles[i]].contiguous(), "image_sizes": sizes[i:i + 1].clone()}
                 for i in range(count)]
 
-    def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        tiles = [image.pixels["pixel_values"] for image in images]
-        states = self.vision_tower.hidden_states(torch.cat(tiles), max(self.spec.feature_layers))
-        features = torch.cat([states[i] for i in self.spec.feature_layers], dim=-1)
-        if not self.spec.keep_class_token:
-            features = features[:, 1:]
-        projected = self.multi_modal_projector(features).split([t.shape[0] for t in tiles])
-        return [self._pack(rows, image.pixels["image_sizes"][0].tolist()) for rows, image in zip(projected, images)]
+    def _image_rows(self, projected: torch.Tensor, tiles: list[torch.Tensor],
+                    images: list[ImageInput]) -> list[torch.Tensor]:
+        per_image = projected.split([t.shape[0] for t in tiles])
+        return [self._pack(rows, image.pixels["image_sizes"][0].tolist()) for rows, image in zip(per_image, images)]
 
     def _pack(self, tiles: torch.Tensor, size: list[int]) -> torch.Tensor:
         """One image's [tiles, patches, hidden] features as its placeholder rows (transformers' packing)."""

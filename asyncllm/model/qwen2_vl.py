@@ -30,6 +30,7 @@ from .mrope import MRopePositions, prompt_mrope_positions
 from .qwen_vision import QwenVisionTower
 from .rotary import MRotaryEmbedding
 from .shape import DecoderShape
+from .encoder_stages import Stages
 from .step_io import ImageInput
 from .vision_language import VisionLanguageModel
 
@@ -138,6 +139,11 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel, Qwen2ForCausalLM):
         """Each image's [placeholders, hidden] embeddings (one tower pass per image: each has its own grid)."""
         return [self.visual(image.pixels["pixel_values"], tuple(int(v) for v in image.pixels["image_grid_thw"][0]))
                 for image in images]
+
+    def encode_image_stages(self, image: ImageInput) -> Stages[torch.Tensor]:
+        """One image's rows, a tower block at a time (model/encoder_stages.py)."""
+        return (yield from self.visual.stages(image.pixels["pixel_values"],
+                                              tuple(int(v) for v in image.pixels["image_grid_thw"][0])))
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

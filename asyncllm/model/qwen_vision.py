@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from .encoder_stages import Stages, run_stages
 from .vision_language import LoadsOwnTensors
 from .vision_tower import activation
 
@@ -140,6 +141,11 @@ class QwenVisionTower(LoadsOwnTensors):
         self.theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
 
     def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """One image's merged rows in grid order."""
+        return run_stages(self.stages(pixels, grid))
+
+    def stages(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> Stages[torch.Tensor]:
+        """``forward`` a block at a time (model/encoder_stages.py): yields the fraction done."""
         t, h, w = grid
         weight = self.patch_embed.proj.weight
         x = pixels.to(device=weight.device, dtype=weight.dtype)
@@ -155,6 +161,7 @@ class QwenVisionTower(LoadsOwnTensors):
         for i, block in enumerate(self.blocks):
             bounds = windows if self.windowed and i not in self.full_blocks else frames
             x = block(x, cos, sin, bounds)
+            yield (i + 1) / len(self.blocks)
         merged = self.merger(x)
         return merged if order is None else merged[torch.argsort(order)]
 

@@ -289,6 +289,7 @@ class ModelRunner:
         and the final hidden states (after the last norm) of ``step.pool_rows`` for embeddings."""
         self._copy_blocks(step.block_copies)
         self._prepare_lora(step)
+        ready = self._encode_ahead(step)
         split = self._split_mixed(step)
         if split is not None:
             hidden, gathers = self._forward_split(step, split), _Gathers.of(step, self.device)
@@ -298,10 +299,18 @@ class ModelRunner:
             hidden = self._forward(input_ids, positions, meta, embeds)
         pooled = hidden[gathers.pool_index].float() if step.pool_rows else None
         if not step.logit_rows:  # a step of embedding prompts only: no LM head
-            return StepOutput(torch.empty(0, self.shape.vocab_size, device=self.device), pooled)
+            return StepOutput(torch.empty(0, self.shape.vocab_size, device=self.device), pooled, ready)
         if gathers.logit_index is not None:
             hidden = hidden[gathers.logit_index]
-        return StepOutput(self.model.compute_logits(hidden).float(), pooled)
+        return StepOutput(self.model.compute_logits(hidden).float(), pooled, ready)
+
+    def _encode_ahead(self, step: StepInput) -> list[str]:
+        """Advance the encodings of images too large for one step (model/image_embeddings.py); the hashes
+        of those now encoded."""
+        if not step.encode_ahead and not self.image_embeddings.pending:
+            return []
+        return self.image_embeddings.advance(step.encode_ahead, step.encode_ahead_rows,
+                                             keep={rows.image.content_hash for rows in step.images})
 
     def _split_mixed(self, step: StepInput) -> MixedSplit | None:
         """A CPU step of decodes and prefill chunks that the decode stack can take the decodes of

@@ -59,6 +59,10 @@ class StepInput:
     # M-RoPE families (model/mrope.py) with an image prompt in the step: the rotary positions, [tokens] or
     # [3, tokens] (an image's height/width positions), where they differ from the sequence positions; None: equal
     rope_positions: Any = None
+    # images too large for one step's encoder budget, encoded ahead of their prompt chunks a share at a time
+    # while the running streams decode (model/image_embeddings.py ``advance``), and that share in image rows
+    encode_ahead: list[ImageInput] = field(default_factory=list)
+    encode_ahead_rows: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -73,3 +77,4 @@ class StepOutput:
 
     logits: torch.Tensor
     pooled: torch.Tensor | None = None
+    images_ready: list[str] = field(default_factory=list)  # content hashes of encode_ahead images now encoded

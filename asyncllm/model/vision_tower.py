@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from .encoder_stages import Stages, run_stages
 from .vision_language import LoadsOwnTensors
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
@@ -115,18 +116,27 @@ class VisionTower(LoadsOwnTensors):
 
     def hidden_states(self, pixels: torch.Tensor, upto: int) -> list[torch.Tensor]:
         """States ``0..upto`` ([images, tokens, hidden] each); the layers above ``upto`` are not run."""
+        return run_stages(self.hidden_state_stages(pixels, upto))
+
+    def hidden_state_stages(self, pixels: torch.Tensor, upto: int) -> Stages[list[torch.Tensor]]:
+        """``hidden_states`` a layer at a time (model/encoder_stages.py): yields the fraction done."""
         x = self.embeddings(pixels)
         if self.clip:
             x = self.pre_layrnorm(x)
         states = [x]
-        for layer in self.encoder.layers[:upto]:
+        for i, layer in enumerate(self.encoder.layers[:upto]):
             x = layer(x)
             states.append(x)
+            yield (i + 1) / upto
         return states
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """The last hidden state (SigLIP's with its final norm, as transformers' ``last_hidden_state``)."""
-        last = self.hidden_states(pixels, self.num_layers)[-1]
+        return run_stages(self.last_state_stages(pixels))
+
+    def last_state_stages(self, pixels: torch.Tensor) -> Stages[torch.Tensor]:
+        """``forward`` a layer at a time (model/encoder_stages.py)."""
+        last = (yield from self.hidden_state_stages(pixels, self.num_layers))[-1]
         return last if self.clip else self.post_layernorm(last)
 
     def checkpoint_name(self, name: str) -> str | None:

@@ -38,8 +38,10 @@ VISION_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_vision_checkpoint(kind: str, out_dir: Path, seed: int = 0, **text_overrides) -> Path:
-    """Write a tiny random-weight ``kind`` (one of VISION_KINDS) checkpoint with its processor to ``out_dir``."""
+def build_vision_checkpoint(kind: str, out_dir: Path, seed: int = 0, tower_overrides: dict | None = None,
+                            **text_overrides) -> Path:
+    """Write a tiny random-weight ``kind`` (one of VISION_KINDS) checkpoint with its processor to ``out_dir``;
+    ``tower_overrides`` (LLaVA kinds): vision-config sizes instead of the tiny ones (benchmarks)."""
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor, SiglipVisionConfig)
 
@@ -55,8 +57,9 @@ def build_vision_checkpoint(kind: str, out_dir: Path, seed: int = 0, **text_over
     text = {**_COMMON, "vocab_size": image_token_id + 16, "num_key_value_heads": 2, "tie_word_embeddings": False,
             **text_overrides}
     text.pop("dtype")
-    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    tower = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    image_size=IMAGE_SIZE, patch_size=PATCH_SIZE), **(tower_overrides or {})}
+    image_size, patch_size = tower["image_size"], tower["patch_size"]
     siglip, nxt = kind == "llava_siglip", kind == "llava_next"
     vision = SiglipVisionConfig(**tower) if siglip else CLIPVisionConfig(projection_dim=32, **tower)
     options = dict(text_config=LlamaConfig(**text), vision_config=vision, image_token_id=image_token_id,
@@ -74,10 +77,10 @@ def build_vision_checkpoint(kind: str, out_dir: Path, seed: int = 0, **text_over
     _peaked(model, seed)
     with _quiet_progress_bars():
         model.save_pretrained(out_dir)
-    sizes = dict(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    sizes = dict(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
     processor = processor_class(
         image_processor=_llava_next_image_processor(**sizes) if nxt else CLIPImageProcessor(**sizes),
-        tokenizer=tokenizer, patch_size=PATCH_SIZE, image_token=IMAGE_TOKEN,
+        tokenizer=tokenizer, patch_size=patch_size, image_token=IMAGE_TOKEN,
         vision_feature_select_strategy=config.vision_feature_select_strategy,
         num_additional_image_tokens=0 if siglip else 1, chat_template=VISION_CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)

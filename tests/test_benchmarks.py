@@ -466,13 +466,13 @@ def test_w_host_tiny_run(tmp_path, capsys):
 
 
 def test_image_stall_tiny_run(capsys):
-    """benchmarks/image_stall.py on the toy tower: the default budget encodes the image in its chunk's step
-    (no stages run ahead), a budget of 1 row encodes it ahead a layer a step."""
+    """benchmarks/image_stall.py on the toy tower: with the default budget the image is encoded whole or, where
+    its measured time does not fit the step's target, a layer a step; a budget of 1 row always a layer a step."""
     from benchmarks import image_stall
 
     whole, ahead = image_stall.main(["--layers", "3", "--width", "32", "--image-size", "28", "--patch", "7",
                                      "--tokens", "120", "--join-after", "4", "--repeats", "1", "--budgets", "0,1"])
-    assert whole["encoder_token_budget"] is None and whole["stages_run"] == 0
+    assert whole["encoder_token_budget"] is None and whole["stages_run"] in (0, 2)
     assert ahead["encoder_token_budget"] == 1 and ahead["stages_run"] == 2  # CLIP's feature layer is the 2nd of 3
     assert whole["images_encoded"] == ahead["images_encoded"] == 2  # the warm-up image and the stream's
     assert len(capsys.readouterr().out.strip().splitlines()) == 2

@@ -160,3 +160,10 @@ def test_aborting_during_an_encoding_ahead_drops_it(gemma_dir, reference):
     run = run_encoded_ahead(gemma_dir, reference, f"gone {BOI} soon", [_image(27)], abort=True)
     assert any(s["ahead"] for s in run["steps"]) and not any(s["images"] for s in run["steps"])
     assert run["pending"] == 0 and run["kv_blocks_used"] == 0
+
+
+def test_the_step_time_target_sends_a_slow_tower_ahead_without_an_encoder_budget(gemma_dir, reference):
+    """The default encoder budget (the step's token budget, far above an image's 4 rows), but a tower measured
+    at 10 s a row: the image's pass does not fit the step's time target, so it is encoded ahead too."""
+    run = run_encoded_ahead(gemma_dir, reference, f"slow {BOI} tower", [_image(28)], slow_tower=True)
+    assert assert_encoded_ahead(run) == 2

@@ -50,17 +50,27 @@ def greedy_reference(model, processor):
     return greedy
 
 
-def run_encoded_ahead(model_dir, reference, text: str, images: list, abort: bool = False, **engine_args) -> dict:
+def run_encoded_ahead(model_dir, reference, text: str, images: list, abort: bool = False, slow_tower: bool = False,
+                      **engine_args) -> dict:
     """A text stream decodes while a prompt with ``images`` joins under ``encoder_token_budget=1`` (below any
     image's rows): checks both answers against transformers' and that the engine ends with nothing pending or
     held; returns what each step carried (``steps``: decode rows, images encoded ahead, image rows in the
-    step) and the runner's encoder counters. ``abort``: the image request is aborted during its encoding."""
+    step) and the runner's encoder counters. ``abort``: the image request is aborted during its encoding.
+    ``slow_tower``: the default encoder budget instead, and the tower taken to cost 10 s a row (its
+    measurement pinned) under a calibrated step-time model, so that only the step-time target sends the
+    image ahead."""
     import asyncio
     import threading
 
     from asyncllm import AsyncLLM, SamplingParams
 
-    llm = AsyncLLM(str(model_dir), dtype="float32", encoder_token_budget=1, **engine_args)
+    llm = AsyncLLM(str(model_dir), dtype="float32", **({} if slow_tower else {"encoder_token_budget": 1}),
+                   **engine_args)
+    if slow_tower:
+        embeddings = llm.engine.runner.image_embeddings
+        embeddings.seconds_per_row, embeddings._record_time = 10.0, lambda seconds, rows: None
+        # a toy model's start-up fit may price tokens at nothing (then no step-time target applies): set one
+        llm.engine.step_time.coefficients = np.array([1e-3, 1e-4, 1e-7, 1e-10])
     executor, steps = llm.engine.runner, []
     execute = executor.execute
     aborted, image_added = threading.Event(), threading.Event()
@@ -144,7 +154,7 @@ def assert_encoded_ahead(run: dict) -> int:
     cache (in every chunk, if it spans several); nothing is left pending or held. Returns how many steps the encoding took."""
     steps = run["steps"]
     ahead = [s for s in steps if s["ahead"]]
-    assert ahead and len(ahead) == run["stages_run"]
+    assert ahead and len(ahead) == run["stages_run"], (steps[:12], run["stages_run"])
     assert all(s["decodes"] >= 1 for s in ahead)
     assert ahead[-1]["ready"] == ahead[-1]["ahead"] and not any(s["ready"] for s in ahead[:-1])
     chunks = [i for i, s in enumerate(steps) if s["images"]]  # (an image may span several prefill chunks)

@@ -105,7 +105,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.token_budget, config.max_loras, step_budget,
                                    prompt_logprob_rows(self.vocab_size),
                                    whole_images=bool(getattr(vision, "bidirectional", False)),
-                                   encoder_budget=config.encoder_token_budget or self.token_budget)
+                                   encoder_budget=config.encoder_token_budget or self.token_budget,
+                                   encoder_seconds_per_row=self._encoder_seconds_per_row)
         self.block_table_rows = BlockTableRows(config.max_num_seqs)
 
     def reset(self) -> None:
@@ -256,6 +257,11 @@ class EngineCore:
         leader.pending_children = seqs[1:]
         self._sequences[request.request_id] = seqs
         self.scheduler.add(leader)
+
+    def _encoder_seconds_per_row(self) -> float | None:
+        """The vision tower's measured time per image row (model/image_embeddings.py); None: not measured."""
+        embeddings = getattr(self.runner, "image_embeddings", None)
+        return embeddings.seconds_per_row if embeddings is not None else None
 
     def _generator_for(self, request: EngineRequest, index: int) -> torch.Generator | None:
         seed = request.params.seed

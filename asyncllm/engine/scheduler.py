@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .kv_cache import KVCacheManager
 from .request import Sequence, SequenceStatus
@@ -145,12 +145,15 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int = 8, step_budget: StepBudget | None = None,
                  max_prompt_logprob_rows: int | None = None, whole_images: bool = False,
-                 encoder_budget: int | None = None) -> None:
+                 encoder_budget: int | None = None,
+                 encoder_seconds_per_row: Callable[[], float | None] | None = None) -> None:
         """``max_prompt_logprob_rows``: prompt positions whose logprobs one step may compute, over
         all sequences (``prompt_logprob_rows``); None: unbounded. ``whole_images``: an image's rows are
         computed in one step and a cached prefix never ends inside one (models attending inside an image
         both ways: Gemma 3). ``encoder_budget``: image rows whose encoding one step may start (the
-        first image of a step always goes; None: unbounded)."""
+        first image of a step always goes; None: unbounded). ``encoder_seconds_per_row()``: the measured tower
+        time of an image row (None: not measured); with a step-time target, an image whose encoding would not
+        fit what the step has left is encoded ahead too."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -165,6 +168,7 @@ class Scheduler:
         self._prompt_logprob_rows_left = 0  # of this step's bound
         self.whole_images = whole_images
         self.encoder_budget = encoder_budget
+        self.encoder_seconds_per_row = encoder_seconds_per_row
         self._encoder_rows = 0  # image rows this step starts
         # images the runner has encoded ahead (StepOutput.images_ready), bounded: one evicted here or from
         # the runner's cache is simply encoded again in its chunk's step
@@ -202,7 +206,9 @@ class Scheduler:
         batch.loras_in_use = self.loras_in_use()
         if self._encode_ahead:
             batch.encode_ahead = self._encode_ahead
-            batch.encode_ahead_rows = max(self.encoder_budget - self._encoder_rows, 0)
+            shares = [max(self.encoder_budget - self._encoder_rows, 0)] if self.encoder_budget is not None else []
+            timed = self._encoder_rows_within(allowance)
+            batch.encode_ahead_rows = min(shares + ([timed] if timed is not None else []), default=0)
         return batch
 
     def images_ready(self, content_hashes: list[str]) -> None:
@@ -282,14 +288,14 @@ class Scheduler:
             num_new = allowance.grant(context, wanted)
             if num_new <= 0:
                 break
-            num_new = self._fit_images(seq, context, num_new)
+            num_new = self._fit_images(seq, context, num_new, allowance)
             if num_new <= 0:  # an image waits for the next step's encoder budget
                 continue
             if self._allocate_running(seq, num_new, batch):
                 batch.add(seq, num_new)
                 allowance.spend(context, num_new)
                 self._spend_prompt_logprob_rows(seq, context, num_new)
-                self._spend_encoder_rows(seq, context, num_new)
+                self._spend_encoder_rows(seq, context, num_new, allowance)
             else:
                 preempted = True
         return preempted
@@ -351,7 +357,7 @@ class Scheduler:
                 context = len(cached) * self.kv.block_size if fresh else seq.num_computed_tokens
                 num_new = allowance.grant(context, self._prompt_logprob_limit(seq, context, seq.num_tokens - context))
                 if num_new > 0:
-                    num_new = self._fit_images(seq, context, num_new)
+                    num_new = self._fit_images(seq, context, num_new, allowance)
                 if num_new <= 0:
                     return None
                 if self.kv.allocate(seq, num_new, cached):
@@ -366,10 +372,18 @@ class Scheduler:
         self.num_reserved += len(seq.pending_children)
         allowance.spend(context, num_new)
         self._spend_prompt_logprob_rows(seq, context, num_new)
-        self._spend_encoder_rows(seq, context, num_new)
+        self._spend_encoder_rows(seq, context, num_new, allowance)
         return num_new
 
-    def _fit_images(self, seq: Sequence, context: int, num_new: int) -> int:
+    def _encoder_rows_within(self, allowance: PrefillAllowance) -> int | None:
+        """Image rows whose measured tower time fits the step time ``allowance`` has left; None: no bound
+        (no step-time target this step, or no measurement yet)."""
+        per_row = self.encoder_seconds_per_row() if self.encoder_seconds_per_row is not None else None
+        if per_row is None or per_row <= 0 or allowance.seconds is None:
+            return None
+        return max(int(allowance.seconds / per_row), 0)
+
+    def _fit_images(self, seq: Sequence, context: int, num_new: int, allowance: PrefillAllowance) -> int:
         """A prompt chunk of ``num_new`` tokens after ``context`` cut to the images' rules: it stops before an
         image whose encoding the step's encoder budget cannot take (unless it is the step's first), and under
         ``whole_images`` before an image it would split, or is stretched to the end of one it starts with."""
@@ -384,7 +398,10 @@ class Scheduler:
             if first >= context and image.content_hash not in self.encoded_ahead:  # the chunk starts its encoding
                 if self.encoder_budget is not None and rows and rows + image.length > self.encoder_budget:
                     return first - context
-                if self.encoder_budget is not None and image.length > self.encoder_budget and self._step_decodes:
+                timed = self._encoder_rows_within(allowance) if self._step_decodes else None
+                too_big = (self.encoder_budget is not None and image.length > self.encoder_budget) or (
+                    timed is not None and image.length > timed)
+                if too_big and self._step_decodes:
                     # its whole pass would stall the decoding streams: encode it ahead, a share a step
                     if all(a.content_hash != image.content_hash for a in self._encode_ahead):
                         self._encode_ahead.append(image)
@@ -396,13 +413,16 @@ class Scheduler:
                 end = last  # the chunk starts at the image: all of it, whatever the token budget says
         return end - context
 
-    def _spend_encoder_rows(self, seq: Sequence, context: int, num_new: int) -> None:
+    def _spend_encoder_rows(self, seq: Sequence, context: int, num_new: int, allowance: PrefillAllowance) -> None:
         for image in seq.request.images:
             if context <= image.offset < context + num_new:
                 if image.content_hash in self.encoded_ahead:  # its rows are in the runner's cache
                     del self.encoded_ahead[image.content_hash]
-                else:
-                    self._encoder_rows += image.length
+                    continue
+                self._encoder_rows += image.length
+                per_row = self.encoder_seconds_per_row() if self.encoder_seconds_per_row is not None else None
+                if per_row and allowance.seconds is not None:  # the tower's time comes out of the step's too
+                    allowance.seconds = max(allowance.seconds - image.length * per_row, 0.0)
 
     def _outside_images(self, seq: Sequence, cached: list[int]) -> list[int]:
         """Under ``whole_images``, the cached prefix cut back to end where no image is half computed."""

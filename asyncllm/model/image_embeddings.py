@@ -16,6 +16,7 @@ lets the prompt's chunk start the image.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import torch
@@ -35,6 +36,10 @@ class ImageEmbeddings:
         self.images_encoded = 0   # encoder runs, one per image (a count the tests and metrics read)
         self.cache_hits = 0       # images whose rows came from the cache
         self.stages_run = 0       # stages of encodes ahead run (steps of a pass spread over several)
+        # the tower's measured seconds per image row (CPU only: timing a CUDA pass would need a sync), which
+        # the scheduler weighs against the step's time target; None until an image has been encoded
+        self.seconds_per_row: float | None = None
+        self._timed = device.type == "cpu"
         self._pending: dict[str, tuple[Stages[torch.Tensor], float]] = {}  # passes under way: (stages, done)
 
     @property
@@ -61,8 +66,10 @@ class ImageEmbeddings:
             stages, done = self._pending.pop(key, None) or (self._stages(image), 0.0)
             try:
                 while True:
+                    start = time.perf_counter()
                     fraction = next(stages)
                     self.stages_run += 1
+                    self._record_time(time.perf_counter() - start, (fraction - done) * image.length)
                     spent += (fraction - done) * image.length
                     done = fraction
                     if spent >= budget_rows and fraction < 1.0:  # (at 1.0 only the projector is left)
@@ -115,9 +122,19 @@ class ImageEmbeddings:
             else:
                 missing.append(image)
         if missing:
-            for image, rows in zip(missing, self.model.encode_images(missing)):
+            start = time.perf_counter()
+            encoded = self.model.encode_images(missing)
+            self._record_time(time.perf_counter() - start, sum(image.length for image in missing))
+            for image, rows in zip(missing, encoded):
                 found[image.content_hash] = self._finish(image, rows)
         return found
+
+    def _record_time(self, seconds: float, rows: float) -> None:
+        """Fold one measured piece of tower work into ``seconds_per_row`` (a moving average)."""
+        if not self._timed or rows <= 0:
+            return
+        per_row = seconds / rows
+        self.seconds_per_row = per_row if self.seconds_per_row is None else 0.7 * self.seconds_per_row + 0.3 * per_row
 
     def _keep(self, key: str, rows: torch.Tensor) -> None:
         size = rows.numel() * rows.element_size()

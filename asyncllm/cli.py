@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     media = serve.add_argument_group("images, for vision-language models (docs/multimodal.md)")
     media.add_argument("--limit-mm-per-prompt", type=_json_object, default=None, metavar="JSON",
                        help='images per prompt, e.g. \'{"image": 4}\' (default 8)')
+    media.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
+                       help='keyword arguments for the model\'s processor, e.g. \'{"do_pan_and_scan": true}\'')
     media.add_argument("--max-image-bytes", type=int, default=None, metavar="BYTES",
                        help="an image's encoded size (default 20 MiB; raise --max-body-bytes for data: URLs too)")
     media.add_argument("--max-image-pixels", type=int, default=None, metavar="N",

@@ -53,6 +53,7 @@ class EngineConfig:
     media_fetch_timeout: float = 10.0          # seconds for one image download
     image_cache_memory: int = 256 * 2**20      # bytes of encoder outputs kept by image content hash
     encoder_token_budget: int | None = None    # image rows one step may start encoding (None: the step's token budget)
+    mm_processor_kwargs: dict | None = None    # passed to every call of the model's processor (e.g. do_pan_and_scan)
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict[str, Any]) -> "EngineConfig":
@@ -119,6 +120,11 @@ class EngineConfig:
         return (self.limit_mm_per_prompt or {}).get("image", 8)
 
     def _validate_media(self) -> None:
+        extra = self.mm_processor_kwargs
+        if extra is not None and (not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra)
+                                  or {"text", "images", "return_tensors"} & set(extra)):
+            raise ConfigError("mm_processor_kwargs must be a mapping of the processor's keyword arguments "
+                              f"(not text, images or return_tensors), got {extra!r}")
         limit = self.limit_mm_per_prompt
         if limit is not None:
             if not isinstance(limit, dict) or set(limit) - {"image"}:

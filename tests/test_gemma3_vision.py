@@ -167,3 +167,30 @@ def test_the_step_time_target_sends_a_slow_tower_ahead_without_an_encoder_budget
     at 10 s a row: the image's pass does not fit the step's time target, so it is encoded ahead too."""
     run = run_encoded_ahead(gemma_dir, reference, f"slow {BOI} tower", [_image(28)], slow_tower=True)
     assert assert_encoded_ahead(run) == 2
+
+
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
+                "pan_and_scan_min_ratio_to_activate": 1.2}
+
+
+def test_pan_and_scan_through_mm_processor_kwargs_equals_transformers(gemma_dir):
+    """Pan-and-scan (off unless mm_processor_kwargs turns it on): a wide image becomes the image and its crops,
+    each a block of its own, and the greedy tokens equal transformers' with the same processor arguments."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(gemma_dir)
+    model = AutoModelForImageTextToText.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+    text, images = f"wide {BOI} and square {BOI} done", [_image(29, (120, 40)), _image(30)]
+    enc = processor(text=[text], images=images, return_tensors="pt", **PAN_AND_SCAN)
+    assert enc["pixel_values"].shape[0] > len(images)  # crops were added
+    with torch.no_grad():
+        expected = model.generate(**enc, max_new_tokens=8, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    llm = LLM(str(gemma_dir), dtype="float32", mm_processor_kwargs=PAN_AND_SCAN)
+    (out,) = llm.generate({"prompt": text, "images": images}, GREEDY)
+    assert out.prompt_token_ids == enc["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == expected
+    assert llm.engine.runner.image_embeddings.images_encoded == enc["pixel_values"].shape[0]
+    (plain,) = LLM(str(gemma_dir), dtype="float32").generate({"prompt": text, "images": images}, GREEDY)
+    assert len(plain.prompt_token_ids) < len(out.prompt_token_ids)  # off by default
+    with pytest.raises(Exception, match="mm_processor_kwargs"):
+        LLM(str(gemma_dir), dtype="float32", mm_processor_kwargs={"images": 1})

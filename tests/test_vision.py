@@ -368,10 +368,12 @@ def test_serve_flags_reach_the_image_limits():
     args = build_parser().parse_args(["serve", "model", "--limit-mm-per-prompt", '{"image": 2}',
                                       "--allowed-media-domains", "img.example.com,cdn.example.org",
                                       "--max-image-pixels", "1000000", "--media-fetch-timeout", "2.5",
-                                      "--allowed-local-media-path", "/srv/a", "--allowed-local-media-path", "/srv/b"])
+                                      "--allowed-local-media-path", "/srv/a", "--allowed-local-media-path", "/srv/b",
+                                      "--mm-processor-kwargs", '{"do_pan_and_scan": true}'])
     assert engine_extras(args) == {"limit_mm_per_prompt": {"image": 2}, "max_image_pixels": 1000000,
                                    "allowed_media_domains": ["img.example.com", "cdn.example.org"],
-                                   "media_fetch_timeout": 2.5, "allowed_local_media_path": ["/srv/a", "/srv/b"]}
+                                   "media_fetch_timeout": 2.5, "allowed_local_media_path": ["/srv/a", "/srv/b"],
+                                   "mm_processor_kwargs": {"do_pan_and_scan": True}}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "model", "--limit-mm-per-prompt", "[1]"])
 
@@ -385,6 +387,7 @@ def test_serve_flags_reach_the_image_limits():
     (dict(allowed_local_media_path="/no/such/dir"), "allowed_local_media_path"),
     (dict(allowed_local_media_path=["/tmp", "/no/such/dir"]), "allowed_local_media_path"),
     (dict(allowed_local_media_path=[]), "allowed_local_media_path"),
+    (dict(mm_processor_kwargs=["do_pan_and_scan"]), "mm_processor_kwargs"),
 ])
 def test_bad_media_arguments_name_themselves(kwargs, name):
     from asyncllm.config import EngineConfig

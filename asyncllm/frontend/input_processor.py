@@ -211,7 +211,8 @@ def _multimodal_processor(engine, tokenizer):
     from .multimodal import MultiModalProcessor
 
     model_class = architecture_for(engine.hf_config, engine.config.model_impl).model_class()
-    return MultiModalProcessor(engine.model_dir, model_class, spec, ImagePolicy.from_config(engine.config))
+    return MultiModalProcessor(engine.model_dir, model_class, spec, ImagePolicy.from_config(engine.config),
+                               engine.config.mm_processor_kwargs)
 
 
 PRIORITY_LIMIT = 2**31  # any 32-bit signed value a client may send

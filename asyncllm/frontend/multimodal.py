@@ -74,10 +74,11 @@ def take_image_sources(messages: list[dict[str, Any]]) -> tuple[list[dict[str, A
 class MultiModalProcessor:
     """A vision-language model's processor, its image placeholder and the operator's image limits."""
 
-    def __init__(self, model_dir, model_class, spec, policy: ImagePolicy) -> None:
+    def __init__(self, model_dir, model_class, spec, policy: ImagePolicy, processor_kwargs: dict | None = None) -> None:
         from .processor_loading import load_processor
 
         self.processor = load_processor(model_dir)
+        self.processor_kwargs = dict(processor_kwargs or {})  # the operator's (mm_processor_kwargs)
         self.model_class, self.spec, self.policy = model_class, spec, policy
         # dynamic-resolution families stack every image's patches in one tensor, LLaVA-NeXT pads each image's
         # tiles to the batch's most: they cut it themselves (with the model's spec)
@@ -101,9 +102,12 @@ class MultiModalProcessor:
                                       field="prompt")
         try:
             out = self.processor(text=[text], images=images or None, return_tensors="pt",
-                                 add_special_tokens=add_special_tokens)
+                                 add_special_tokens=add_special_tokens, **self.processor_kwargs)
         except ValueError as exc:  # e.g. the text's placeholders and the images do not match in number
             raise InvalidRequestError(f"prompt: {exc}", field="prompt") from None
+        except TypeError as exc:  # an mm_processor_kwargs entry this processor does not take
+            raise InvalidRequestError(f"prompt: the model's processor refused mm_processor_kwargs ({exc})",
+                                      field="prompt") from None
         ids = out["input_ids"][0].tolist()
         try:
             pixels = self._split(out, len(images))
@@ -111,12 +115,13 @@ class MultiModalProcessor:
             raise InvalidRequestError(f"prompt: {exc}", field="prompt") from None
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         items, cursor = [], 0
-        for index, image_pixels in enumerate(pixels):
+        for index, image_pixels in enumerate(pixels):  # (more than the images where a processor adds crops)
             rows = self.model_class.image_rows(self.spec, image_pixels)
             run = positions[cursor:cursor + rows]
             if len(run) != rows or run[-1] - run[0] != rows - 1:
-                raise InvalidRequestError(f"{fields[index]}: the prompt has no place for this image (each image "
-                                          "needs its placeholder in the text)", field=fields[index].split("[")[0])
+                field = fields[index] if index < len(fields) else "prompt"
+                raise InvalidRequestError(f"{field}: the prompt has no place for this image (each image "
+                                          "needs its placeholder in the text)", field=field.split("[")[0])
             items.append(ImageInput(content_hash(image_pixels), run[0], rows, image_pixels))
             cursor += rows
         if cursor != len(positions):

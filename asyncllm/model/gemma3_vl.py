@@ -113,5 +113,15 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel, Gemma3ForCausalLM):
         return self.multi_modal_projector(last)[0]
 
     @classmethod
+    def image_pixels(cls, out, count: int, spec=None) -> list[dict[str, torch.Tensor]]:
+        """One dict per image block of the processed prompt: ``count`` images, or more with pan-and-scan
+        (``mm_processor_kwargs={"do_pan_and_scan": True}``), where the processor adds each image's crops as
+        blocks of their own after it, with a row of ``pixel_values`` each."""
+        pixels = out["pixel_values"]
+        if pixels.shape[0] < count:
+            raise ValueError(f"the processor gave {pixels.shape[0]} image tensors for {count} images")
+        return [{"pixel_values": pixels[i:i + 1].contiguous()} for i in range(pixels.shape[0])]
+
+    @classmethod
     def image_rows(cls, spec: Gemma3VisionSpec, pixels: dict) -> int:
         return spec.tokens_per_image

@@ -472,7 +472,8 @@ def test_image_stall_tiny_run(capsys):
 
     whole, ahead = image_stall.main(["--layers", "3", "--width", "32", "--image-size", "28", "--patch", "7",
                                      "--tokens", "120", "--join-after", "4", "--repeats", "1", "--budgets", "0,1"])
-    assert whole["encoder_token_budget"] is None and whole["stages_run"] in (0, 2)
+    # (0: whole; 2: ahead; 1 only if the stream ended during the pass, when its chunk finishes the rest)
+    assert whole["encoder_token_budget"] is None and whole["stages_run"] in (0, 1, 2)
     assert ahead["encoder_token_budget"] == 1 and ahead["stages_run"] == 2  # CLIP's feature layer is the 2nd of 3
     assert whole["images_encoded"] == ahead["images_encoded"] == 2  # the warm-up image and the stream's
     assert len(capsys.readouterr().out.strip().splitlines()) == 2

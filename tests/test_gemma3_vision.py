@@ -194,3 +194,33 @@ def test_pan_and_scan_through_mm_processor_kwargs_equals_transformers(gemma_dir)
     assert len(plain.prompt_token_ids) < len(out.prompt_token_ids)  # off by default
     with pytest.raises(Exception, match="mm_processor_kwargs"):
         LLM(str(gemma_dir), dtype="float32", mm_processor_kwargs={"images": 1})
+
+
+def test_an_encoding_ahead_survives_steps_that_skip_it_and_is_dropped_after_the_grace(gemma_dir):
+    """A pass under way keeps its progress through steps that do not list its image (a preemption, a full
+    step), finishes with the whole pass's rows, and is held until a chunk takes it; one unlisted for longer
+    than AHEAD_GRACE_STEPS is dropped."""
+    from asyncllm.model.image_embeddings import AHEAD_GRACE_STEPS
+
+    llm = LLM(str(gemma_dir), dtype="float32")
+    runner, seen = llm.engine.runner, []
+    execute = runner.execute
+    runner.execute = lambda step: (seen.extend(r.image for r in step.images), execute(step))[1]
+    llm.generate({"prompt": f"a {BOI} b", "images": [_image(31)]}, GREEDY)
+    image, embeddings = seen[0], runner.image_embeddings
+    whole = runner.model.encode_images([image])[0]
+    embeddings._cache.clear()
+    assert embeddings.advance([image], 0) == [] and embeddings.pending == 1  # one layer of two
+    for _ in range(AHEAD_GRACE_STEPS):
+        assert embeddings.advance([], 0) == []
+    assert embeddings.pending == 1
+    assert embeddings.advance([image], 0) == [image.content_hash]
+    embeddings._cache.clear()  # taken from the held rows even when the cache lost them
+    rows = embeddings._features([image])[image.content_hash]
+    torch.testing.assert_close(rows, whole)
+    assert embeddings.pending == 0
+    embeddings._cache.clear()
+    embeddings.advance([image], 0)
+    for _ in range(AHEAD_GRACE_STEPS + 1):
+        embeddings.advance([], 0)
+    assert embeddings.pending == 0

@@ -123,6 +123,7 @@ class EngineCore:
                 break
         self._sequences = {}
         self._build_scheduling_state()
+        self._drop_encodes_ahead()
         if self.proposer is not None:
             self.proposer.reset()
 
@@ -186,7 +187,14 @@ class EngineCore:
                 begin = time.perf_counter()
                 outputs.extend(self._run(batch))
                 self.step_time.observe(features, time.perf_counter() - begin)
+        if not self.scheduler.num_unfinished:  # idle: no image encoded ahead can still be wanted
+            self._drop_encodes_ahead()
         return outputs
+
+    def _drop_encodes_ahead(self) -> None:
+        embeddings = getattr(self.runner, "image_embeddings", None)
+        if embeddings is not None and embeddings.pending:
+            embeddings.clear_pending()
 
     def stats(self) -> dict[str, int]:
         return {

@@ -174,6 +174,8 @@ class Scheduler:
         # the runner's cache is simply encoded again in its chunk's step
         self.encoded_ahead: OrderedDict[str, None] = OrderedDict()
         self._encode_ahead: list = []  # this step's
+        self.sent_ahead: OrderedDict[str, None] = OrderedDict()  # images being encoded ahead (bounded as above)
+        self._waits_for_image: Sequence | None = None  # the sequence this step stopped before such an image
         self._step_decodes = 0  # decode rows in this step: streams an image's whole pass would stall
 
     @property
@@ -195,6 +197,7 @@ class Scheduler:
         self._prompt_logprob_rows_left = self.max_prompt_logprob_rows or 0
         self._encoder_rows = 0
         self._encode_ahead = []
+        self._waits_for_image = None
         preempted, prefilling = self._schedule_decodes(batch)
         self._step_decodes = len(batch)
         allowance = self._prefill_allowance(batch, prefilling)
@@ -216,6 +219,7 @@ class Scheduler:
         for key in content_hashes:
             self.encoded_ahead[key] = None
             self.encoded_ahead.move_to_end(key)
+            self.sent_ahead.pop(key, None)
         while len(self.encoded_ahead) > MAX_ENCODED_AHEAD:
             self.encoded_ahead.popitem(last=False)
 
@@ -337,6 +341,8 @@ class Scheduler:
                 continue
             num_new = self._admit(seq, allowance, batch)
             if num_new is None:
+                if self._waits_for_image is seq:  # its image is encoded ahead: the ones behind it may go
+                    continue
                 break
             admitted.append(seq)
             if seq.lora_id is not None:
@@ -400,11 +406,16 @@ class Scheduler:
                     return first - context
                 timed = self._encoder_rows_within(allowance) if self._step_decodes else None
                 too_big = (self.encoder_budget is not None and image.length > self.encoder_budget) or (
-                    timed is not None and image.length > timed)
+                    timed is not None and image.length > timed) or image.content_hash in self.sent_ahead
                 if too_big and self._step_decodes:
-                    # its whole pass would stall the decoding streams: encode it ahead, a share a step
+                    # its whole pass would stall the decoding streams: encode it ahead, a share a step (and once
+                    # sent ahead, until it is done: a noisy time estimate must not start it half-way)
                     if all(a.content_hash != image.content_hash for a in self._encode_ahead):
                         self._encode_ahead.append(image)
+                        self.sent_ahead[image.content_hash] = None
+                        while len(self.sent_ahead) > MAX_ENCODED_AHEAD:
+                            self.sent_ahead.popitem(last=False)
+                    self._waits_for_image = seq
                     return first - context
                 rows += image.length
             if self.whole_images and last > end:

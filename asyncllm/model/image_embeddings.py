@@ -24,6 +24,11 @@ import torch
 from .encoder_stages import Stages, run_stages
 from .step_io import ImageInput, ImageRows
 
+# Steps an encoding ahead (a pass under way, or its finished rows) is kept while its image goes unlisted: a
+# step that skips the prompt (a preemption, a full step) must not throw the work away; after that many its
+# request is taken to be gone, and the pass or rows are dropped.
+AHEAD_GRACE_STEPS = 32
+
 
 class ImageEmbeddings:
     """The encoder-output cache of one model runner and the scatter of a step's image rows."""
@@ -41,24 +46,40 @@ class ImageEmbeddings:
         self.seconds_per_row: float | None = None
         self._timed = device.type == "cpu"
         self._pending: dict[str, tuple[Stages[torch.Tensor], float]] = {}  # passes under way: (stages, done)
+        # finished passes, held here (not only in the LRU cache, which may refuse or evict them) until a
+        # prompt's chunk takes them
+        self._ready: dict[str, torch.Tensor] = {}
+        self._unlisted: dict[str, int] = {}  # steps each pending or ready entry has gone unlisted
 
     @property
     def pending(self) -> int:
-        """Images whose encoding ahead is under way (their passes' activations are held until they finish)."""
-        return len(self._pending)
+        """Encodings ahead held: passes under way (their activations) and finished rows not yet taken."""
+        return len(self._pending) + len(self._ready)
+
+    def clear_pending(self) -> None:
+        """Drop every encoding ahead (the engine was reset, or has nothing left to run)."""
+        self._pending.clear()
+        self._ready.clear()
+        self._unlisted.clear()
 
     def advance(self, images: list[ImageInput], budget_rows: int, keep: set[str] = frozenset()) -> list[str]:
         """Run the encodings ahead of ``images`` for about ``budget_rows`` image rows of work this step (an
         image's whole pass counts as its rows; at least one stage runs); the hashes of those now encoded.
-        Passes of images neither listed nor in ``keep`` (the step's own images) are dropped: their
-        requests finished, or were preempted and will start again."""
+        An entry whose image goes unlisted (and is not among ``keep``, the step's own images) for
+        ``AHEAD_GRACE_STEPS`` steps is dropped: its request finished or was aborted."""
         wanted = {image.content_hash for image in images} | set(keep)
-        for key in [k for k in self._pending if k not in wanted]:
-            del self._pending[key]
+        for key in list(self._pending) + list(self._ready):
+            missed = 0 if key in wanted else self._unlisted.get(key, 0) + 1
+            if missed > AHEAD_GRACE_STEPS:
+                self._pending.pop(key, None)
+                self._ready.pop(key, None)
+                self._unlisted.pop(key, None)
+            else:
+                self._unlisted[key] = missed
         ready, spent = [], 0.0
         for image in images:
             key = image.content_hash
-            if key in self._cache:
+            if key in self._ready or key in self._cache:
                 ready.append(key)
                 continue
             if spent > 0 and spent >= budget_rows:  # the share is spent (a first stage always runs)
@@ -76,7 +97,7 @@ class ImageEmbeddings:
                         self._pending[key] = (stages, done)
                         break
             except StopIteration as finished:
-                self._finish(image, finished.value)
+                self._ready[key] = self._finish(image, finished.value)
                 ready.append(key)
         return ready
 
@@ -113,12 +134,17 @@ class ImageEmbeddings:
         wanted: dict[str, ImageInput] = {image.content_hash: image for image in images}
         found, missing = {}, []
         for key, image in wanted.items():
-            if key in self._cache:
+            if key in self._ready:  # encoded ahead: taken now
+                found[key] = self._ready.pop(key)
+                self._unlisted.pop(key, None)
+                self.cache_hits += 1
+            elif key in self._cache:
                 self._cache.move_to_end(key)
                 found[key] = self._cache[key]
                 self.cache_hits += 1
             elif key in self._pending:  # encoding ahead, but its chunk came first: the rest of the pass now
                 found[key] = self._finish(image, run_stages(self._pending.pop(key)[0]))
+                self._unlisted.pop(key, None)
             else:
                 missing.append(image)
         if missing:

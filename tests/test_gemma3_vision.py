@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 from server_helpers import serve_in_thread
-from vision_helpers import assert_encoded_ahead, chat_parts, greedy_reference, run_encoded_ahead, random_image as _image
+from vision_helpers import assert_encoded_ahead, chat_parts, greedy_reference, language_lora, run_encoded_ahead, random_image as _image
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.server import create_app
@@ -116,20 +116,9 @@ def test_encoder_budget_spreads_images_over_steps(gemma_dir, reference):
 
 def test_lora_on_the_language_model_equals_peft_merged(gemma_dir, reference, tmp_path):
     """A PEFT adapter on the language model's attention, with an image, equals peft's merged model."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
     from asyncllm import LoRARequest
 
-    torch.manual_seed(5)
-    base = AutoModelForImageTextToText.from_pretrained(gemma_dir, dtype=torch.float32).eval()
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                 target_modules=r".*language_model.*\.(q_proj|v_proj)"))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name:
-                param.mul_(3.0)  # large enough to change greedy tokens
-    peft_model.save_pretrained(tmp_path / "adapter")
+    peft_model = language_lora(gemma_dir, tmp_path / "adapter", seed=5)
     merged = greedy_reference(peft_model.merge_and_unload().eval(), reference.processor)
     text, images = f"adapt {BOI} this", [_image(23)]
     llm = LLM(str(gemma_dir), dtype="float32")

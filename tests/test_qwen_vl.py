@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 from server_helpers import serve_in_thread
-from vision_helpers import assert_encoded_ahead, chat_parts, greedy_reference, run_encoded_ahead
+from vision_helpers import assert_encoded_ahead, chat_parts, greedy_reference, language_lora, run_encoded_ahead
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import ModelLoadError
@@ -223,20 +223,9 @@ def test_tp2_with_images_equals_transformers(vlm_dir, reference):
 
 
 def test_lora_on_the_language_model_equals_peft_merged(vlm_dir, tmp_path):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
     from asyncllm import LoRARequest
 
-    torch.manual_seed(3)
-    base = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                 target_modules=r".*language_model.*\.(q_proj|v_proj)"))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name:
-                param.mul_(3.0)  # large enough to change greedy tokens
-    peft_model.save_pretrained(tmp_path / "adapter")
+    peft_model = language_lora(vlm_dir, tmp_path / "adapter")
     merged = peft_model.merge_and_unload().eval()
     images, text = [_image(19, WIDE)], f"adapt {IMAGE} this"
     enc = load_processor(vlm_dir)(text=[text], images=images, return_tensors="pt")

@@ -15,8 +15,8 @@ import openai
 import pytest
 import torch
 from server_helpers import assert_error, request, serve_in_thread
-from vision_helpers import (assert_encoded_ahead, chat_parts, data_url as _data_url, greedy_reference, png_bytes as _png,
-                            random_image as _image, run_encoded_ahead)
+from vision_helpers import (assert_encoded_ahead, chat_parts, data_url as _data_url, greedy_reference, language_lora,
+                            png_bytes as _png, random_image as _image, run_encoded_ahead)
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.errors import InvalidRequestError
@@ -295,25 +295,10 @@ def test_responses_input_image_anthropic_image_blocks_and_token_counts(vlm_dir):
         llm.close()
 
 
-def _language_lora(vlm_dir, out_dir, targets=r".*language_model.*\.(q_proj|v_proj)"):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
-    torch.manual_seed(3)
-    base = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_A" in name:
-                param.mul_(3.0)  # large enough to change greedy tokens
-    model.save_pretrained(out_dir)
-    return model
-
-
 def test_lora_on_the_language_model_equals_peft_merged(vlm_dir, reference, tmp_path):
     from asyncllm import LoRARequest
 
-    peft_model = _language_lora(vlm_dir, tmp_path / "adapter")
+    peft_model = language_lora(vlm_dir, tmp_path / "adapter")
     merged = peft_model.merge_and_unload().eval()
     images, text = [_image(17)], "adapt <image> this"
     enc = reference.processor(text=[text], images=images, return_tensors="pt")
@@ -324,7 +309,7 @@ def test_lora_on_the_language_model_equals_peft_merged(vlm_dir, reference, tmp_p
     (base,) = llm.generate(prompt, GREEDY)
     (adapted,) = llm.generate(prompt, GREEDY, lora=LoRARequest("lang", str(tmp_path / "adapter")))
     assert adapted.outputs[0].token_ids == expected != base.outputs[0].token_ids
-    _language_lora(vlm_dir, tmp_path / "tower", targets=["q_proj", "v_proj"])  # the tower's too
+    language_lora(vlm_dir, tmp_path / "tower", targets=["q_proj", "v_proj"])  # the tower's too
     with pytest.raises(Exception, match="adapts the vision side"):
         llm.generate(prompt, GREEDY, lora=LoRARequest("tower", str(tmp_path / "tower")))
 

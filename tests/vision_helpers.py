@@ -36,6 +36,23 @@ def chat_parts(texts: list[str], images: list[Image.Image]) -> tuple[list[dict],
     return request, template
 
 
+def language_lora(model_dir, out_dir, targets=r".*language_model.*\.(q_proj|v_proj)", seed: int = 3):
+    """A PEFT adapter (rank 4, random A and B large enough to change greedy tokens) on a vision-language
+    checkpoint's language model, saved to ``out_dir``; returns the peft model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name:
+                param.mul_(3.0)
+    model.save_pretrained(out_dir)
+    return model
+
+
 def greedy_reference(model, processor):
     """``greedy(text, images, max_new_tokens=8, special=True)``: transformers' greedy new token ids for the
     prompt as the checkpoint's own processor expands it (``special``: add the tokenizer's special tokens, as a

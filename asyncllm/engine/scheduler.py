@@ -381,11 +381,16 @@ class Scheduler:
         self._spend_encoder_rows(seq, context, num_new, allowance)
         return num_new
 
+    def _seconds_per_image_row(self) -> float | None:
+        """The tower's measured time per image row; None: not measured (or no vision tower)."""
+        per_row = self.encoder_seconds_per_row() if self.encoder_seconds_per_row is not None else None
+        return per_row if per_row is not None and per_row > 0 else None
+
     def _encoder_rows_within(self, allowance: PrefillAllowance) -> int | None:
         """Image rows whose measured tower time fits the step time ``allowance`` has left; None: no bound
         (no step-time target this step, or no measurement yet)."""
-        per_row = self.encoder_seconds_per_row() if self.encoder_seconds_per_row is not None else None
-        if per_row is None or per_row <= 0 or allowance.seconds is None:
+        per_row = self._seconds_per_image_row()
+        if per_row is None or allowance.seconds is None:
             return None
         return max(int(allowance.seconds / per_row), 0)
 
@@ -431,8 +436,8 @@ class Scheduler:
                     del self.encoded_ahead[image.content_hash]
                     continue
                 self._encoder_rows += image.length
-                per_row = self.encoder_seconds_per_row() if self.encoder_seconds_per_row is not None else None
-                if per_row and allowance.seconds is not None:  # the tower's time comes out of the step's too
+                per_row = self._seconds_per_image_row()
+                if per_row is not None and allowance.seconds is not None:  # the tower's time comes out of the step's too
                     allowance.seconds = max(allowance.seconds - image.length * per_row, 0.0)
 
     def _outside_images(self, seq: Sequence, cached: list[int]) -> list[int]:

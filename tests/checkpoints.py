@@ -102,14 +102,17 @@ def reference_greedy(
     return results
 
 
-def strong_peft_adapter(model_dir: Path, targets: list[str], out_dir: Path, seed: int):
-    """A rank-4 PEFT LoRA adapter on ``targets`` whose A matrices are scaled up (so its effect on greedy
-    output is visible), saved to ``out_dir``; returns PEFT's merged model to compare against."""
+def strong_peft_adapter(model_dir: Path, targets: list[str], out_dir: Path, seed: int,
+                        parameters: list[str] | None = None, rank: int = 4):
+    """A rank-``rank`` PEFT LoRA adapter on modules ``targets`` (and on ``parameters``: PEFT's
+    ``target_parameters``, the experts' stacked weights) whose A matrices are scaled up (so its effect on
+    greedy output is visible), saved to ``out_dir``; returns PEFT's merged model to compare against."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
+    extra = {"target_parameters": parameters} if parameters else {}
     peft_model = get_peft_model(load_reference_model(model_dir), LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **extra))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_A" in name:

@@ -179,6 +179,87 @@ def test_lora_on_qwen3_moe_equals_peft_merged(model_dir_factory, tmp_path):
         "qwen3_moe", model_dir)
 
 
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS + ["gpt_oss"])  # gpt-oss: stored [E, in, out], gate/up interleaved
+def test_lora_on_the_experts_equals_peft_merged_in_one_mixed_batch(kind, model_dir_factory, tmp_path):
+    """PEFT target_parameters on the stacked experts (each expert's own A/B pair), alone and with attention
+    LoRA, of two ranks, and the base model, all in one batch: each prompt equal to its PEFT-merged model."""
+    model_dir = model_dir_factory(kind)
+    experts = strong_peft_adapter(model_dir, [], tmp_path / "experts", seed=5, parameters=EXPERT_PARAMETERS)
+    both = strong_peft_adapter(model_dir, ["q_proj", "o_proj"], tmp_path / "both", seed=6,
+                               parameters=["experts.down_proj"], rank=8)
+    expected = {"experts": reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=experts),
+                "both": reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=both), None: reference(kind, model_dir)}
+    assert expected["experts"] != expected[None] and expected["both"] != expected[None]
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, max_loras=2, max_lora_rank=8)
+    llm.add_lora("experts", str(tmp_path / "experts"))
+    llm.add_lora("both", str(tmp_path / "both"))
+    order = [(i, name) for i in range(len(prompts(kind))) for name in ("experts", None, "both")]
+    outs = llm.generate([prompts(kind)[i] for i, _ in order], GREEDY, lora=[name for _, name in order])
+    assert [o.outputs[0].token_ids for o in outs] == [expected[name][i] for i, name in order]
+    llm.close()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_lora_on_the_experts_under_tp2_and_ep2_equals_peft_merged(expert_parallel, model_dir_factory, tmp_path):
+    """Each rank takes its share of the whole-model expert LoRA (TP: its columns; EP: its experts)."""
+    model_dir = model_dir_factory("qwen3_moe")
+    merged = strong_peft_adapter(model_dir, ["v_proj"], tmp_path / "a", seed=7, parameters=EXPERT_PARAMETERS)
+    expected = reference_greedy(model_dir, prompts("qwen3_moe"), NEW_TOKENS, model=merged)
+    with LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+             block_size=4, kv_cache_memory=4 << 20) as llm:
+        llm.add_lora("a", str(tmp_path / "a"))
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts("qwen3_moe"), GREEDY, lora="a")]
+    assert got == expected
+
+
+def test_lora_on_int8_experts_equals_float32_on_the_rounded_checkpoint(model_dir_factory, tmp_path):
+    """quantization="int8" experts take the adapter's delta on top of their rounded weights."""
+    from test_model_sources import _rounded_checkpoint
+
+    model_dir = model_dir_factory("qwen3_moe")
+    strong_peft_adapter(model_dir, [], tmp_path / "a", seed=8, parameters=EXPERT_PARAMETERS)
+    rounded = LLM(str(_rounded_checkpoint(model_dir, tmp_path / "rounded")), dtype="float32")
+    int8 = LLM(str(model_dir), dtype="float32", quantization="int8")
+    for llm in (rounded, int8):
+        llm.add_lora("a", str(tmp_path / "a"))
+    runs = [[o.outputs[0].token_ids for o in llm.generate(prompts("qwen3_moe"), GREEDY, lora="a")] for llm in (rounded, int8)]
+    assert runs[0] == runs[1]
+    assert runs[1] != [o.outputs[0].token_ids for o in int8.generate(prompts("qwen3_moe"), GREEDY)]
+
+
+def test_bad_expert_adapters_are_refused_by_name(model_dir_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = model_dir_factory("qwen3_moe")
+    adapter = tmp_path / "a"
+    strong_peft_adapter(model_dir, [], adapter, seed=9, parameters=EXPERT_PARAMETERS)
+    llm = LLM(str(model_dir), dtype="float32")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_parameters": ["mlp.gate.weight"]}))
+    with pytest.raises(LoRAError, match=r"mlp\.gate\.weight.*experts\.gate_up_proj"):
+        llm.add_lora("a", str(adapter))
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    key = next(k for k in tensors if k.endswith("layers.0.mlp.experts.lora_A.weight"))
+    save_file({**tensors, key: tensors[key][:, :5].contiguous()}, adapter / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match=r"layer 0 has expert LoRA tensors A \(32, 5\)"):
+        llm.add_lora("a", str(adapter))
+    save_file({k: v for k, v in tensors.items() if not k.endswith("layers.0.mlp.experts.lora_B.weight")},
+              adapter / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match="layer 0 experts lack lora_B"):
+        llm.add_lora("a", str(adapter))
+    save_file({k.replace("layers.0.", "layers.1."): v for k, v in tensors.items()}, adapter / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match="layer 1, which has no experts"):  # Qwen3-MoE's toy layer 1 is dense
+        llm.add_lora("a", str(adapter))
+    dense = LLM(str(model_dir_factory("llama")), dtype="float32")
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_parameters": EXPERT_PARAMETERS}))
+    with pytest.raises(LoRAError, match="cannot take LoRA on: experts.gate_up_proj, experts.down_proj.*none on this"):
+        dense.add_lora("a", str(adapter))
+
+
 def test_lora_on_experts_is_refused_by_name(model_dir_factory, tmp_path):
     model_dir = model_dir_factory("qwen3_moe")
     adapter = tmp_path / "experts"

@@ -23,6 +23,10 @@ from ..model.shape import DecoderShape
 TARGETS = LLAMA_LORA_TARGETS  # the modules the slots (adapters/slots.py) can apply LoRA to
 _VISION_MODULES = ("vision_tower", "vision_model", "multi_modal_projector", "visual")  # vision-language models
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# PEFT's ``target_parameters`` on a stacked experts module: one ParamWrapper per parameter, nested (the
+# innermost behind the most ``base_layer.``); which parameter a pair adapts is read from its shapes
+_EXPERT_KEY = re.compile(r"layers\.(\d+)\.\w+\.experts\.((?:base_layer\.)*)lora_([AB])\.weight$")
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")  # the stacked [E, out, in] expert parameters
 _UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "layers_to_transform": "layers_to_transform"}
 _ids = itertools.count(1)
 
@@ -56,11 +60,21 @@ class LoRALayout:
     targets: tuple[str, ...]
     shapes: dict[str, tuple[int, int]]
     parts: dict[str, tuple[str, ...]]
+    # PEFT ``target_parameters`` on the experts: each one's (experts, in, out) per expert, whole model
+    experts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    experts_interleaved: bool = False  # gate/up output columns alternate (gpt-oss) where the engine has gate, then up
 
     @classmethod
     def of(cls, shape: DecoderShape) -> "LoRALayout":
-        """A native family's layout: its declared targets on the engine's fused projections."""
-        return cls(architecture_named(shape.architecture).lora_targets, module_shapes(shape), FUSED_PARTS)
+        """A native family's layout: its declared targets on the engine's fused projections, and the
+        experts' parameters where the family takes LoRA on them."""
+        model_class = architecture_named(shape.architecture).model_class()
+        experts = {}
+        if shape.moe is not None and getattr(model_class, "expert_lora", False):
+            e, h, i = shape.moe.num_experts, shape.hidden_size, shape.moe.intermediate_size
+            experts = {"experts.gate_up_proj": (e, h, 2 * i), "experts.down_proj": (e, i, h)}
+        return cls(model_class.lora_targets, module_shapes(shape), FUSED_PARTS, experts,
+                   bool(shape.moe is not None and shape.moe.gate_up_interleaved))
 
 
 def module_shapes(shape: DecoderShape) -> dict[str, tuple[int, int]]:
@@ -86,9 +100,10 @@ def load_peft_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank
     if not 0 < rank <= max_rank:
         raise LoRAError(f"adapter {name!r} has rank {rank}, above max_lora_rank={max_rank}" if rank > 0
                         else f"adapter {name!r}: invalid rank {rank}")
-    targets = _targets(name, config, allowed)
-    pairs = _read_tensors(name, root / "adapter_model.safetensors")
+    targets = _targets(name, config, allowed) + _expert_targets(name, config, layout)
+    pairs, expert_pairs = _read_tensors(name, root / "adapter_model.safetensors")
     weights = _build(name, config, pairs, shape, max_rank, layout.shapes)
+    weights.update(_build_experts(name, config, expert_pairs, shape, max_rank, layout))
     found = tuple(sorted({t for _, t in weights}))
     if not found:
         raise LoRAError(f"adapter {name!r} holds no LoRA weights for {', '.join(targets)}")
@@ -166,14 +181,38 @@ def _targets(name: str, config: dict, allowed: tuple[str, ...]) -> list[str]:
     return targets
 
 
-def _read_tensors(name: str, file: Path) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+def _expert_targets(name: str, config: dict, layout: LoRALayout) -> list[str]:
+    """The adapter's ``target_parameters`` (PEFT's LoRA on stacked expert weights), each one the model takes."""
+    raw = config.get("target_parameters") or []
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+        raise LoRAError(f"adapter {name!r}: adapter_config.json field 'target_parameters' must be a list of "
+                        f"parameter names, got {raw!r:.60}")
+    wanted = [t for t in raw if not any(t == e or t.endswith("." + e) for e in layout.experts)]
+    if wanted:
+        what = ", ".join(layout.experts) if layout.experts else "none on this model"
+        raise LoRAError(f"adapter {name!r} targets parameters this model cannot take LoRA on: {', '.join(wanted)} "
+                        f"(supported target_parameters: {what}; docs/moe.md)")
+    return list(raw)
+
+
+def _read_tensors(name: str, file: Path) -> tuple[dict, dict]:
+    """The adapter's A/B tensors: per (layer, module) for projections, and per (layer, nesting depth) for
+    ``target_parameters`` wrappers on the experts."""
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    expert_pairs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(file, framework="pt") as reader:
             for key in reader.keys():
                 if any(part in key.split(".") for part in _VISION_MODULES):
                     raise LoRAError(f"adapter {name!r}: {key!r} adapts the vision side; adapters go on the language "
                                     "model only (target_modules like '.*language_model.*(q_proj|v_proj)')")
+                match = _EXPERT_KEY.search(key)
+                if match is not None:
+                    depth = match[2].count("base_layer.")
+                    expert_pairs.setdefault((int(match[1]), depth), {})[match[3]] = reader.get_tensor(key)
+                    continue
                 match = _KEY.search(key)
                 if match is None:
                     raise LoRAError(f"adapter {name!r}: unexpected tensor {key!r}")
@@ -185,7 +224,7 @@ def _read_tensors(name: str, file: Path) -> dict[tuple[int, str], dict[str, torc
         raise
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise LoRAError(f"adapter {name!r}: cannot read {file}: {exc}") from exc
-    return pairs
+    return pairs, expert_pairs
 
 
 def _build(name, config, pairs, shape: DecoderShape, max_rank: int, shapes: dict) -> dict:
@@ -208,4 +247,43 @@ def _build(name, config, pairs, shape: DecoderShape, max_rank: int, shapes: dict
         module_alpha = float((config.get("alpha_pattern") or {}).get(target, alpha))
         scale = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         weights[(layer, target)] = (a.contiguous(), (b * scale).contiguous())
+    return weights
+
+
+def _build_experts(name, config, pairs, shape: DecoderShape, max_rank: int, layout: LoRALayout) -> dict:
+    """Per (layer, expert target): A [E, rank, in] and pre-scaled B [E, out, rank], from PEFT's ParamWrapper
+    tensors (``lora_A`` [rank * E, in] expert-major; ``lora_B`` [out, rank * E] rank-major). PEFT's in/out are
+    the projection's whatever way the family stores the parameter ([E, out, in], or [E, in, out] for gpt-oss)."""
+    experts = layout.experts
+    if pairs and not experts:
+        raise LoRAError(f"adapter {name!r} holds LoRA weights for experts, which this model does not take "
+                        "LoRA on (docs/moe.md)")
+    alpha = float(config.get("lora_alpha", config.get("r", 1)))
+    weights = {}
+    # the wrappers' nesting order is PEFT's; the shapes say which parameter a pair adapts
+    for (layer, _depth), pair in sorted(pairs.items()):
+        if layer >= shape.num_layers or not shape.is_moe(layer):
+            raise LoRAError(f"adapter {name!r} has expert weights for layer {layer}, which has no experts")
+        if set(pair) != {"A", "B"}:
+            raise LoRAError(f"adapter {name!r}: layer {layer} experts lack lora_{'AB'[len(pair) % 2]}")
+        a, b = pair["A"].float(), pair["B"].float()
+        target = next((t for t, (e, i, o) in experts.items() if a.dim() == 2 and b.dim() == 2 and a.shape[1] == i
+                       and b.shape[0] == o and a.shape[0] == b.shape[1] and a.shape[0] % e == 0), None)
+        if target is None:
+            needs = "; ".join(f"{t}: A [r * {e}, {i}] and B [{o}, r * {e}]" for t, (e, i, o) in experts.items())
+            raise LoRAError(f"adapter {name!r}: layer {layer} has expert LoRA tensors A {tuple(a.shape)} and "
+                            f"B {tuple(b.shape)}, which fit no expert parameter ({needs})")
+        if (layer, target) in weights:
+            raise LoRAError(f"adapter {name!r}: layer {layer} adapts {target} twice")
+        e, i, o = experts[target]
+        rank = a.shape[0] // e
+        if rank > max_rank:
+            raise LoRAError(f"adapter {name!r}: rank {rank} of layer {layer} {target} exceeds max_lora_rank={max_rank}")
+        short = target.rpartition(".")[2]
+        module_alpha = float((config.get("alpha_pattern") or {}).get(short, alpha))
+        scale = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        b = b.reshape(o, rank, e).permute(2, 0, 1)
+        if layout.experts_interleaved and target == "experts.gate_up_proj":  # the engine's rows: gate, then up
+            b = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
+        weights[(layer, target)] = (a.reshape(e, rank, i).contiguous(), (b * scale).contiguous())
     return weights

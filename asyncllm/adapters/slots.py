@@ -4,6 +4,10 @@ Each projection of each layer has a stack ``A`` [max_loras, max_rank, in] and ``
 out, max_rank]. Every token of a step carries a slot index (-1 for the base model); tokens are
 grouped by slot once per step and each group gets ``x @ A[slot].T @ B[slot].T`` (B is pre-scaled)
 added to its output slice. Fused projections (qkv, gate/up) add each part to its own columns.
+
+LoRA on a mixture-of-experts layer's experts (PEFT ``target_parameters``) has stacks of one more dimension,
+``A`` [max_loras, experts, max_rank, in] and ``B`` [max_loras, experts, out, max_rank], whole-model sized (the
+expert stack cuts its share as it applies them, model/moe_lora.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from ..kernels.ops import use_cpu, use_triton
 from ..kernels import cpu_ops as cpu_kernels
 from ..kernels.transfer import stage, to_device
 from ..model.shape import DecoderShape
-from .peft_loader import LoRALayout, LoRAWeights
+from .peft_loader import EXPERT_TARGETS, LoRALayout, LoRAWeights
 
 
 class LoRASlots:
@@ -32,6 +36,10 @@ class LoRASlots:
         self.parts = self.layout.parts
         self.shapes = self.layout.shapes
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # allocated on first use
+        # per (layer, expert target): the experts' stacks, allocated when an adapter first brings some
+        self.expert_stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.expert_slots: dict[tuple[int, str], set[int]] = {}  # the slots holding weights there
+        self.row_slots = torch.empty(0, dtype=torch.int64)  # this step: each token row's slot (-1: none)
         # per (layer, part): each slot's rank there (0: its adapter does not target the part); CPU kernel input
         self.ranks: dict[tuple[int, str], torch.Tensor] = {}
         self.token_slots = torch.empty(0, dtype=torch.int64)  # this step: the slot of each row of segments[0]
@@ -91,7 +99,37 @@ class LoRASlots:
                     b_stack[slot, :, :b.shape[1]].copy_(b)
                 self.ranks.setdefault((layer, target), torch.zeros(self.max_loras, dtype=torch.int64))[slot] = \
                     pair[0].shape[0] if pair is not None else 0
+        self._load_experts(slot, adapter)
         self.slot_adapter[slot] = adapter
+
+    def _load_experts(self, slot: int, adapter: LoRAWeights) -> None:
+        for key, (a_stack, b_stack) in self.expert_stacks.items():
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
+            self.expert_slots[key].discard(slot)
+        for (layer, target), (a, b) in adapter.weights.items():
+            if target not in EXPERT_TARGETS:
+                continue
+            experts, rank, in_features = a.shape
+            key = (layer, target)
+            if key not in self.expert_stacks:
+                make = lambda *s: torch.zeros(s, device=self.device, dtype=self.dtype)  # noqa: E731
+                self.expert_stacks[key] = (make(self.max_loras, experts, self.max_rank, in_features),
+                                           make(self.max_loras, experts, b.shape[1], self.max_rank))
+                self.expert_slots[key] = set()
+            a_stack, b_stack = self.expert_stacks[key]
+            a_stack[slot, :, :rank].copy_(a)
+            b_stack[slot, :, :, :rank].copy_(b)
+            self.expert_slots[key].add(slot)
+
+    def experts_of(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """This step's expert LoRA stacks of ``layer`` (per expert target), where a slot in use has weights."""
+        found = {}
+        for target in EXPERT_TARGETS:
+            slots = self.expert_slots.get((layer, target))
+            if slots and any(slot in slots for slot, _ in self.groups):
+                found[target] = self.expert_stacks[(layer, target)]
+        return found
 
     def _stack(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
         key = (layer, target)
@@ -109,6 +147,12 @@ class LoRASlots:
     def set_groups(self, rows_by_slot: dict[int, list[int]]) -> None:
         """This step's token rows per slot (base-model tokens are in no group: nothing to add)."""
         self.groups = [(slot, to_device(rows, self.device)) for slot, rows in sorted(rows_by_slot.items())]
+        if self.expert_stacks:
+            row_slots = [-1] * (1 + max((max(rows) for rows in rows_by_slot.values() if rows), default=-1))
+            for slot, rows in rows_by_slot.items():
+                for row in rows:
+                    row_slots[row] = slot
+            self.row_slots = to_device(row_slots, self.device)
         ordered = sorted(rows_by_slot.items())
         starts = [0]
         for _, rows in ordered:

@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp, full)
         if shape.is_moe(layer_index):
-            self.mlp = SparseMoE(shape, layer_index, tp, full)
+            self.mlp = SparseMoE(shape, layer_index, tp, full, lora)
         else:
             self.mlp = MLP(shape, layer_index, lora, tp, full)
         size = shape.hidden_size

@@ -14,16 +14,19 @@ from .shape import DecoderShape
 
 # what a mixture-of-experts family may use: the C decode stack and CUDA graphs run dense MLPs only
 MOE_FAST_PATHS = FastPaths(decode_stack=False, cuda_graphs=False)
-# adapters touch the attention projections; the experts' own LoRA is not loaded (docs/moe.md)
+# adapters touch the attention projections (as modules) and the stacked experts (PEFT target_parameters)
 ATTENTION_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class MoEFamily:
     """The declaration every mixture-of-experts family shares (listed first among its bases): no C decode
-    stack or CUDA graphs, LoRA on the attention projections, no GGUF files."""
+    stack or CUDA graphs, LoRA on the attention projections and on the experts' ``gate_up_proj`` /
+    ``down_proj`` parameters (``expert_lora``: where transformers stacks them [E, out, in], gate rows before
+    up rows, as PEFT adapts them), no GGUF files."""
 
     fast_paths = MOE_FAST_PATHS
     lora_targets = ATTENTION_LORA_TARGETS
+    expert_lora = True
     gguf_architectures: tuple[str, ...] = ()
 
 

@@ -372,11 +372,12 @@ class SparseMoE(nn.Module):
     """A layer's mixture-of-experts MLP: routed experts, plus the shared expert where the family has one."""
 
     def __init__(self, shape: DecoderShape, layer_index: int, tp: TensorParallel = SINGLE,
-                 full: DecoderShape | None = None) -> None:
+                 full: DecoderShape | None = None, lora=None) -> None:
         super().__init__()
         full = full or shape
         moe = shape.moe
         self.moe, self.tp, self.layer_index = moe, tp, layer_index
+        self.lora = lora  # LoRASlots shared by all layers (adapters on the experts), or None
         self.gate = MoERouter(shape.hidden_size, moe)
         self.experts = ExpertStack(shape.hidden_size, moe, tp)
         if moe.shared_intermediate_size:
@@ -388,7 +389,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.tp.all_reduce(self.experts(x, weights, ids))
+        adapters = self.lora.experts_of(self.layer_index) if self.lora is not None and self.lora.groups else None
+        if adapters:  # an adapter of this step has weights on these experts (model/moe_lora.py)
+            from .moe_lora import experts_with_lora
+
+            routed = experts_with_lora(self.experts, x, weights, ids, self.lora.row_slots, adapters)
+        else:
+            routed = self.experts(x, weights, ids)
+        out = self.tp.all_reduce(routed)
         if self.moe.shared_intermediate_size:
             shared = self.shared_expert(x)
             if self.moe.shared_gate:

@@ -402,6 +402,24 @@ def test_w_moe_tiny_run(tmp_path, capsys):
     assert "decode step at B=4" in capsys.readouterr().out
 
 
+def test_moe_quantized_tiny_run(tmp_path, capsys):
+    """The quantized-experts benchmark at toy size: each format written, loaded quantized and timed."""
+    from benchmarks import moe_quantized
+
+    out = tmp_path / "moe_quantized.json"
+    assert moe_quantized.main(["--tiny", "--batches", "1,2", "--prompt-len", "8", "--gen-len", "4", "--repeats", "1",
+                               "--work-dir", str(tmp_path / "models"), "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == set(moe_quantized.FORMATS)
+    assert all(v > 0 for row in results.values() for v in row["tok_s"].values())
+    # float32 experts: 4 bytes a weight; GPTQ 4-bit about half a byte, 8-bit and FP8 about one
+    assert results["gptq4"]["expert_mib_per_layer"] < results["gptq8"]["expert_mib_per_layer"] < \
+        results["float"]["expert_mib_per_layer"] / 2
+    assert "MiB of experts a layer" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        moe_quantized.parse_args(["--formats", "float,int3"])
+
+
 def test_w_vllm_tiny_run(tmp_path, monkeypatch):
     """W-VLLM at its tiny size: asyncllm's server and offline run on the toy Llama; the vLLM engines skipped
     with the reason (their venv is pointed at a folder that does not exist: nothing is installed)."""

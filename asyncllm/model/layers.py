@@ -225,6 +225,10 @@ def use_checkpoint_quantization(model: nn.Module, fmt) -> int:
         if isinstance(layer, ParallelLinear) and not isinstance(layer, VocabParallelLMHead) and not fmt.skips(name):
             layer.method = CheckpointWeights(layer, fmt)
             count += 1
+    for name, module in list(model.named_modules()):  # mixture-of-experts stacks (model/moe_quantized.py)
+        if hasattr(module, "use_checkpoint_format") and not fmt.skips(name):
+            module.use_checkpoint_format(fmt)
+            count += 2 * module.local_experts
     return count
 
 

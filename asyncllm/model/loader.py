@@ -185,10 +185,13 @@ def _expected_pieces(model, fused_map: dict) -> set[str]:
     parts: dict[str, list] = {}
     for fused, part in fused_map.values():
         parts.setdefault(fused, []).append(part)
-    pieces = set()
+    pieces, own = set(), []
     for path, module in model.named_modules():
+        if any(path.startswith(prefix) for prefix in own):
+            continue  # inside a module that loads its own tensors (its quantized experts' layers)
         if hasattr(module, "expected_pieces"):  # loads its own tensors (model/moe.py)
             pieces |= module.expected_pieces(path)
+            own.append(path + ".")
             continue
         leaf = path.rpartition(".")[2]
         for kind, _ in module.named_parameters(recurse=False):

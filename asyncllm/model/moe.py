@@ -101,11 +101,21 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     ``x`` [T, H]; ``weights``/``ids`` [T, k]; ``w13`` [E_local, 2I, H] and ``w2`` [E_local, H, I] hold experts
     ``first_expert ..``; ids outside them (other expert-parallel ranks') are skipped. Every (token, expert)
     pair is sorted by expert, so each expert's weights are read once for all of its tokens."""
+    def expert(e: int, state: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(state, w13[e], None if b13 is None else b13[e])
+        return F.linear(activation(gate_up), w2[e], None if b2 is None else b2[e])
+
+    return run_grouped(x, weights, ids, first_expert, w13.shape[0], weights_on_input, expert)
+
+
+def run_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first_expert: int, local: int,
+                weights_on_input: bool, expert) -> torch.Tensor:
+    """:func:`grouped_experts` with each expert's computation given: ``expert(e, rows) -> outputs`` for local
+    expert ``e`` and the (token) rows routed to it, in token order."""
     tokens, k = ids.shape
     out = torch.zeros_like(x)
     if tokens == 0:
         return out
-    local = w13.shape[0]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs by expert, then by token (transformers' summation order)
     counts = torch.bincount(flat, minlength=first_expert + local)[first_expert:first_expert + local].tolist()
@@ -122,8 +132,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         state = x.index_select(0, token_ids)
         if weights_on_input:
             state = state * pair_weights[take, None]
-        gate_up = F.linear(state, w13[e], None if b13 is None else b13[e])
-        y = F.linear(activation(gate_up), w2[e], None if b2 is None else b2[e])
+        y = expert(e, state)
         rows.append(y if weights_on_input else y * pair_weights[take, None])
         row_tokens.append(token_ids)
     if rows:
@@ -201,6 +210,8 @@ class MoERouter(nn.Module):
 
 # per-expert checkpoint tensors: "<expert>.<projection>.weight" (Mixtral names them w1/w3/w2)
 _PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)$")
+# ... and any tensor of a per-expert projection (a quantized checkpoint's qweight, scales, weight_scale_inv...)
+_PER_EXPERT_ANY = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(\w+)$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 # the tensors quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8) store next to or instead of a weight
 _QUANTIZED_KINDS = {"qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
@@ -237,6 +248,26 @@ class ExpertStack(nn.Module):
         self.b2 = nn.Parameter(torch.empty(e, hidden)) if moe.expert_bias else None
         self.activation = expert_activation(moe)
         self._mxfp4 = PendingPairs()  # an MXFP4 projection's blocks or scales, until its partner arrives
+        self.quantized = None  # CheckpointExperts of a quantized checkpoint (model/moe_quantized.py), or None
+        self._checkpoint_format = None  # a quantized checkpoint's QuantizedFormat, until its experts' tensors say
+        self._float_loaded = False      # whether float expert tensors have been placed
+
+    def use_checkpoint_format(self, fmt) -> None:
+        """The checkpoint is quantized (``fmt``: its QuantizedFormat; before loading). Whether its experts are
+        is read from their first tensor: a quantization method's tools quantize the Linear modules they
+        find, and transformers' stacked experts are not Linear modules, so some checkpoints keep them float.
+        ``quantization="fp8"`` on a float checkpoint quantizes them at load like every projection."""
+        self._checkpoint_format = fmt
+        if fmt.dynamic:
+            self._keep_quantized()
+
+    def _keep_quantized(self) -> None:
+        """From now on each local expert's projections hold the checkpoint's tensors as stored; the float
+        stacks are dropped."""
+        from .moe_quantized import CheckpointExperts
+
+        self.quantized = CheckpointExperts(self, self._checkpoint_format)
+        self.w13 = self.w2 = None
 
     # ---- loading (model/loader.py hands over every tensor under this module's name) ----
 
@@ -246,14 +277,20 @@ class ExpertStack(nn.Module):
 
     def load_checkpoint_tensor(self, path: str, rest: str, tensor: torch.Tensor, name: str) -> set[str]:
         """Place checkpoint tensor ``name`` (``rest``: its name below this module); the pieces it filled."""
+        kind = rest.rpartition(".")[2]
+        quantized = (not isinstance(tensor, torch.Tensor) or kind in _QUANTIZED_KINDS
+                     or tensor.element_size() == 1)  # (FP8 and int8 weights)
+        if quantized and self.quantized is None and self._checkpoint_format is not None and not self._float_loaded:
+            self._keep_quantized()
+        if self.quantized is not None:
+            return self._load_quantized(path, rest, tensor, name)
         if is_mxfp4_tensor(rest) and isinstance(tensor, torch.Tensor):  # gpt-oss as published (model/mxfp4.py)
             return self._load_mxfp4(path, rest, tensor, name)
-        kind = rest.rpartition(".")[2]
-        if (not isinstance(tensor, torch.Tensor) or kind in _QUANTIZED_KINDS
-                or (tensor.is_floating_point() and tensor.element_size() == 1)):
-            raise ModelLoadError(f"tensor {name!r}: this checkpoint stores its experts quantized, which is not "
-                                 "supported for mixture-of-experts layers yet; load the float checkpoint (with "
-                                 "quantization='int8' the experts are made int8 at load, docs/moe.md)")
+        if quantized:
+            why = ("but config.json has no quantization_config saying how to read it" if self._checkpoint_format is None
+                   else "next to float expert tensors of the same layer")
+            raise ModelLoadError(f"tensor {name!r}: a quantized expert tensor, {why} (docs/moe.md)")
+        self._float_loaded = True
         match = _PER_EXPERT.match(rest)
         if match:
             expert, part, kind = int(match.group(1)), _PART[match.group(2)], match.group(3)
@@ -283,6 +320,22 @@ class ExpertStack(nn.Module):
                 self._put(e, part, local[e], name)
             parts = (part,)
         return {f"{path}.{e}.{p}" for e in range(self.moe.num_experts) for p in parts}
+
+    def _load_quantized(self, path: str, rest: str, tensor: torch.Tensor, name: str) -> set[str]:
+        """A tensor of a quantized checkpoint's expert (one per expert and projection, as such checkpoints
+        store them); the piece it filled once the projection's weight tensor is in."""
+        match = _PER_EXPERT_ANY.match(rest)
+        if match is None:
+            raise ModelLoadError(f"tensor {name!r}: a quantized checkpoint's experts must be stored one tensor set "
+                                 "per expert and projection (experts.<e>.gate_proj.qweight ...); stacked quantized "
+                                 "experts are not supported")
+        expert, part, kind = int(match.group(1)), _PART[match.group(2)], match.group(3)
+        self._check_expert(expert, name)
+        if not self._is_local(expert):
+            return {f"{path}.{expert}.{part}"} if kind in ("qweight", "weight_packed", "weight") else set()
+        if self.quantized.load(expert - self.first_expert, part, kind, tensor, name):
+            return {f"{path}.{expert}.{part}"}
+        return set()
 
     def _load_mxfp4(self, path: str, rest: str, tensor: torch.Tensor, name: str) -> set[str]:
         """One of an MXFP4 projection's blocks/scales; once both are here, each local expert dequantized and
@@ -337,6 +390,20 @@ class ExpertStack(nn.Module):
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)} per expert, expected {expected}")
         target.copy_(value)
 
+    def project_gate_up(self, e: int, state: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e``'s gate/up projection of ``state`` (whichever way its weights are held)."""
+        if self.quantized is not None:
+            return self.quantized.gate_up[e](state)
+        w13 = self.w13 if self.w13 is not None else self.w13_int8
+        return F.linear(state, w13[e], None if self.b13 is None else self.b13[e])
+
+    def project_down(self, e: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e``'s down projection of its activated ``hidden`` rows."""
+        if self.quantized is not None:
+            return self.quantized.down[e](hidden)
+        w2 = self.w2 if self.w2 is not None else self.w2_int8
+        return F.linear(hidden, w2[e], None if self.b2 is None else self.b2[e])
+
     def to_int8(self, group_size: int | None = None) -> None:
         """Weight-only int8 (``quantization="int8"``): every expert's rows as int8 with float32 scales (one per row,
         or per ``group_size`` columns), the float weights dropped; each active expert is widened as it runs."""
@@ -350,6 +417,8 @@ class ExpertStack(nn.Module):
         """This rank's part of the routed experts' weighted sum (a partial sum under TP/EP)."""
         from ..kernels.ops import use_cpu, use_triton
 
+        if self.quantized is not None:  # as the quantized checkpoint stores them (model/moe_quantized.py)
+            return self.quantized(x, weights, ids, self)
         if self.w13 is None:  # int8 experts
             return grouped_experts(x, weights, ids, self.w13_int8, self.w2_int8, self.activation, self.first_expert,
                                    self.b13, self.b2, self.moe.weights_on_input)

@@ -16,7 +16,6 @@ are summed by the layer's all-reduce); under expert parallelism a rank runs only
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def experts_with_lora(stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, row_slots: torch.Tensor,
@@ -30,8 +29,6 @@ def experts_with_lora(stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.
     out = torch.zeros_like(x)
     if tokens == 0:
         return out
-    w13 = stack.w13 if stack.w13 is not None else stack.w13_int8
-    w2 = stack.w2 if stack.w2 is not None else stack.w2_int8
     first, local = stack.first_expert, stack.local_experts
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -47,12 +44,12 @@ def experts_with_lora(stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.
     state = x.index_select(0, pair_tokens)
     if stack.moe.weights_on_input:
         state = state * pair_weights[:, None]
-    gate_up = _per_expert(state, counts, lambda e, v: F.linear(v, w13[e], None if stack.b13 is None else stack.b13[e]))
+    gate_up = _per_expert(state, counts, stack.project_gate_up)
     if "experts.gate_up_proj" in adapters:
         _add_delta(gate_up, state, pair_slots, pair_experts, *adapters["experts.gate_up_proj"],
                    out_rows=_gate_up_rows(stack, x.device))
     hidden = stack.activation(gate_up)
-    y = _per_expert(hidden, counts, lambda e, v: F.linear(v, w2[e], None if stack.b2 is None else stack.b2[e]))
+    y = _per_expert(hidden, counts, stack.project_down)
     if "experts.down_proj" in adapters:
         _add_delta(y, hidden, pair_slots, pair_experts, *adapters["experts.down_proj"], in_columns=_down_columns(stack))
     if not stack.moe.weights_on_input:

@@ -748,6 +748,10 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str = "W4A16", *, gro
         for h in hooks:
             h.remove()
 
+    split = _split_stacked_experts(model)
+    if split and input_ranges:
+        raise ValueError(f"scheme {scheme!r}: static input scales need a calibration forward pass, which the "
+                         "per-expert Linear modules written for a mixture-of-experts model do not run")
     config = QuantizationConfig(config_groups={"group_0": quant_scheme}, ignore=["lm_head"],
                                 quantization_status=QuantizationStatus.INITIALIZED)
     apply_quantization_config(model, config, show_progress=False)
@@ -786,6 +790,35 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str = "W4A16", *, gro
     if dst_dequant is not None:
         _write_twin(src, dst_dequant, _ct_dequantize_spec(dst))
     return dst
+
+
+class _ExpertLinears(torch.nn.Module):
+    """One expert as three Linear modules (``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+            linear.weight.data.copy_(weight)
+            setattr(self, name, linear)
+
+
+def _split_stacked_experts(model: torch.nn.Module) -> int:
+    """transformers' stacked experts (``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] parameters of one
+    module) replaced by one module of Linear layers per expert, as llm-compressor unfuses them before it
+    quantizes a mixture-of-experts model (its tools target Linear modules); they save as
+    ``experts.<e>.<proj>.*``. The model is only saved afterwards, not run. Returns how many were split."""
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter)
+             and isinstance(getattr(module, "down_proj", None), torch.nn.Parameter)
+             and module.gate_up_proj.dim() == 3 and not getattr(module, "is_transposed", False)]
+    for name, module in found:
+        gate, up = module.gate_up_proj.data.chunk(2, dim=1)
+        experts = torch.nn.ModuleList(_ExpertLinears(gate[e], up[e], module.down_proj.data[e])
+                                      for e in range(gate.shape[0]))
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, experts)
+    return len(found)
 
 
 def _unpack_dense_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:

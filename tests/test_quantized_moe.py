@@ -94,3 +94,29 @@ def test_lora_on_quantized_experts_equals_peft_merged_on_the_dequantized_base(so
         with_adapter = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, lora="a")]
         base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert with_adapter == expected and base != expected
+
+
+def test_deepseek_v3_as_its_fp8_checkpoints_store_it(model_dir_factory, tmp_path):
+    """DeepSeek V3's official layout: every projection FP8 in 128 x 128 blocks (here 32 x 32) with
+    ``weight_scale_inv``, the latent attention's kv_b_proj too (widened at load: the absorbed form slices it),
+    the experts kept FP8."""
+    source = model_dir_factory("deepseek_v3")
+    quantized = qc.write_fp8_block(source, tmp_path / "q", block=(32, 32), dst_dequant=tmp_path / "twin")
+    tensors = qc.read_tensors(quantized)
+    assert tensors["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    expected = reference_greedy(tmp_path / "twin", PROMPTS, NEW_TOKENS)
+    with LLM(str(quantized), dtype="float32", block_size=4) as llm:
+        layers = llm.engine.runner.model.model.layers
+        stack = next(layer.mlp.experts for layer in layers if hasattr(layer.mlp, "experts"))
+        assert {type(m) for m in (*stack.quantized.gate_up, *stack.quantized.down)} == {Fp8Linear}
+        assert type(layers[0].self_attn.kv_a_proj_with_mqa) is Fp8Linear
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_a_quantized_latent_projection_other_than_fp8_is_refused_by_name(model_dir_factory, tmp_path):
+    from asyncllm.errors import ModelLoadError
+
+    quantized = qc.write_gptq(model_dir_factory("deepseek_v3"), tmp_path / "q", bits=4, group_size=32)
+    with pytest.raises(ModelLoadError, match=r"kv_b_proj\.\w+': a gptq .* kv_b_proj is not supported \(FP8 is\)"):
+        LLM(str(quantized), dtype="float32")

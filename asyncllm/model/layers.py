@@ -217,7 +217,8 @@ def use_int8(model: nn.Module, group_size: int | None) -> int:
 
 def use_checkpoint_quantization(model: nn.Module, fmt) -> int:
     """Every projection the quantized checkpoint ``fmt`` (model/quant_formats.py) stores quantized takes its
-    tensors from now on (before loading); the LM head and the modules it lists as ignored stay float."""
+    tensors from now on (before loading); the LM head and the modules it lists as ignored stay float. Returns
+    how many ParallelLinear layers changed (modules with ``use_checkpoint_format`` are told, not counted)."""
     from .quant_methods import CheckpointWeights
 
     count = 0
@@ -225,10 +226,10 @@ def use_checkpoint_quantization(model: nn.Module, fmt) -> int:
         if isinstance(layer, ParallelLinear) and not isinstance(layer, VocabParallelLMHead) and not fmt.skips(name):
             layer.method = CheckpointWeights(layer, fmt)
             count += 1
-    for name, module in list(model.named_modules()):  # mixture-of-experts stacks (model/moe_quantized.py)
+    # modules that read their own tensors: expert stacks (model/moe_quantized.py), DeepSeek's kv_b_proj (model/mla.py)
+    for name, module in list(model.named_modules()):
         if hasattr(module, "use_checkpoint_format") and not fmt.skips(name):
             module.use_checkpoint_format(fmt)
-            count += 2 * module.local_experts
     return count
 
 

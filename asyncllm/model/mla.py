@@ -67,11 +67,23 @@ class LatentProjection(nn.Module):
         self.mla, self.first_head = mla, first_head
         per_head = mla.qk_nope_head_dim + mla.v_head_dim
         self.weight = nn.Parameter(torch.empty(num_heads, per_head, mla.kv_lora_rank))
+        self.method = None  # a quantized checkpoint's tensors for it (FP8: widened at load), or None
+
+    def use_checkpoint_format(self, fmt) -> None:
+        """The checkpoint is quantized (before loading): its kv_b_proj tensors are read as ``fmt`` stores them."""
+        if not fmt.dynamic:
+            self.method = WidenedAtLoad(fmt)
 
     def weight_loader(self, kind: str, tensor, part, name: str) -> None:
-        """This rank's heads of the checkpoint's ``[heads * (nope + v), kv_lora_rank]`` tensor."""
-        if kind != "weight" or not isinstance(tensor, torch.Tensor):
-            raise ModelLoadError(f"tensor {name!r}: kv_b_proj is read as float weights only")
+        """This rank's heads of the checkpoint's ``[heads * (nope + v), kv_lora_rank]`` tensor (an FP8 one with its
+        scales: widened once both are in)."""
+        if self.method is not None and self.method.handles(kind):
+            tensor = self.method.take(kind, tensor, name)
+            if tensor is None:
+                return
+            kind = "weight"
+        if kind != "weight" or not isinstance(tensor, torch.Tensor) or tensor.element_size() == 1:
+            raise ModelLoadError(f"tensor {name!r}: kv_b_proj is read as float weights, or FP8 with its scales")
         heads, per_head, rank = self.weight.shape
         total = tensor.shape[0] // per_head if tensor.dim() == 2 else 0
         if tensor.dim() != 2 or tensor.shape[1] != rank or total * per_head != tensor.shape[0] or total < heads:
@@ -86,6 +98,48 @@ class LatentProjection(nn.Module):
     def uv(self) -> torch.Tensor:
         """``W_UV`` [heads, v_head_dim, kv_lora_rank]."""
         return self.weight[:, self.mla.qk_nope_head_dim:]
+
+
+class WidenedAtLoad:
+    """``kv_b_proj`` of an FP8 checkpoint (DeepSeek V3's own, blocks of 128 x 128): the ``weight`` and its scale
+    (``weight_scale_inv`` or ``weight_scale``: per tensor, per row or per block) widened to float once both are
+    in. The absorbed form multiplies queries and outputs by slices of it, so it is held in float; it is one
+    projection a layer, ~2% of DeepSeek V3's weights. Other quantized formats of it are refused by name."""
+
+    SCALES = ("weight_scale_inv", "weight_scale")
+
+    def __init__(self, fmt) -> None:
+        self.fmt = fmt
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def handles(self, kind: str) -> bool:
+        return kind != "bias"
+
+    def primary(self, kind: str) -> bool:
+        return kind == "weight"
+
+    def take(self, kind: str, tensor: torch.Tensor, name: str) -> torch.Tensor | None:
+        """The float weight once ``tensor`` completes it, else None (held until its partner arrives)."""
+        if self.fmt.layout != "fp8" or kind not in ("weight", "input_scale", *self.SCALES):
+            raise ModelLoadError(f"tensor {name!r}: a {self.fmt.describe()} kv_b_proj is not supported (FP8 is)")
+        if kind == "input_scale":
+            return None
+        if kind == "weight" and tensor.element_size() != 1:
+            return tensor  # kept float by the checkpoint
+        self.pending[kind if kind == "weight" else "scale"] = tensor
+        if set(self.pending) != {"weight", "scale"}:
+            return None
+        weight, scale = self.pending.pop("weight").float(), self.pending.pop("scale").float()
+        n, k = weight.shape
+        if scale.numel() == 1:
+            return weight * scale.reshape(())
+        if scale.numel() == n:
+            return weight * scale.reshape(n, 1)
+        bn, bk = self.fmt.block or (-(-n // scale.shape[0]), -(-k // scale.shape[1]))
+        if scale.dim() != 2 or scale.shape != (-(-n // bn), -(-k // bk)):
+            raise ModelLoadError(f"tensor {name!r}: scales of shape {tuple(scale.shape)} do not fit a {n} x {k} "
+                                 f"weight in blocks of {bn} x {bk}")
+        return weight * scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
 
 
 class LatentAttention(nn.Module):

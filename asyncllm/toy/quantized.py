@@ -50,8 +50,10 @@ __all__ = [
     "read_tensors", "read_config", "projection_modules",
 ]
 
-# The decoder-layer projections every tool quantizes by default (the tools target every nn.Linear but the LM head).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The decoder-layer projections every tool quantizes by default (the tools target every nn.Linear but the LM head),
+# DeepSeek's latent-attention ones included.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 _PROJECTION_RE = re.compile(r"(^|\.)layers\.\d+\.(.+\.)?(" + "|".join(PROJECTIONS) + r")$")
 
 # Files a checkpoint directory keeps next to its weights that are rewritten rather than copied.

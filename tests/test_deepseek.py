@@ -14,7 +14,7 @@ from asyncllm import LLM, SamplingParams
 from asyncllm.errors import LoRAError, ModelLoadError
 from asyncllm.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from asyncllm.model.moe import route
-from checkpoints import load_reference_model, random_prompts, reference_greedy
+from checkpoints import load_reference_model, random_prompts, reference_greedy, strong_peft_adapter
 
 KINDS = ["deepseek_v2", "deepseek_v3"]
 NEW_TOKENS = 16
@@ -96,8 +96,6 @@ def test_cache_holds_the_latent_and_rope_key(model_dir_factory):
         expected = torch.cat([cache.layers[layer].keys[0, 0], cache.layers[layer].values[0, 0]], dim=-1)
         distance = (written[None, :, :] - expected[:, None, :]).abs().amax(-1).amin(-1)  # nearest written row
         assert float(distance.max()) < 1e-5
-    with pytest.raises(LoRAError, match="not supported for this architecture"):
-        llm.add_lora("a", str(model_dir))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -178,6 +176,36 @@ def test_v3_tensor_parallel_splits_heads_and_replicates_the_latent(model_dir_fac
         assert attention.kv_b_proj.weight.shape == (2, 32, 32) and attention.q_b_proj.weight.shape == (2 * 24, 32)
         assert runner.kv_caches[0][0].shape[2:] == (1, CACHE_DIM)
         assert _tokens(llm, prompts("deepseek_v3")) == reference("deepseek_v3", model_dir)
+
+
+# ---- LoRA -------------------------------------------------------------------------------------------------------
+
+LATENT_TARGETS = {"deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "o_proj"],
+                  "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_on_the_latent_attention_and_the_experts_equals_peft_merged(kind, tp, model_dir_factory, tmp_path):
+    """An adapter on every LoRA-able latent projection (before the latent norms) and on the routed experts; under
+    TP=2 each rank takes its heads' rows of the query's B and columns of o_proj's A."""
+    model_dir = model_dir_factory(kind)
+    merged = strong_peft_adapter(model_dir, LATENT_TARGETS[kind], tmp_path / "a", seed=11,
+                                 parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=merged)
+    assert expected != reference(kind, model_dir)
+    with LLM(str(model_dir), dtype="float32", block_size=4, tensor_parallel_size=tp, kv_cache_memory=1 << 20) as llm:
+        llm.add_lora("a", str(tmp_path / "a"))
+        outs = llm.generate(prompts(kind) * 2, GREEDY, lora=["a"] * len(prompts(kind)) + [None] * len(prompts(kind)))
+    assert [o.outputs[0].token_ids for o in outs] == expected + reference(kind, model_dir)
+
+
+def test_lora_on_kv_b_proj_is_refused_by_name(model_dir_factory, tmp_path):
+    model_dir = model_dir_factory("deepseek_v3")
+    strong_peft_adapter(model_dir, ["kv_b_proj"], tmp_path / "a", seed=12)
+    with LLM(str(model_dir), dtype="float32") as llm:
+        with pytest.raises(LoRAError, match="kv_b_proj.*supported: q_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa"):
+            llm.add_lora("a", str(tmp_path / "a"))
 
 
 # ---- routing, against transformers' routers -----------------------------------------------------------------

@@ -17,10 +17,9 @@ import torch
 from safetensors import safe_open
 
 from ..errors import LoRAError
-from ..model.registry import LLAMA_LORA_TARGETS, architecture_named
+from ..model.registry import architecture_named
 from ..model.shape import DecoderShape
 
-TARGETS = LLAMA_LORA_TARGETS  # the modules the slots (adapters/slots.py) can apply LoRA to
 _VISION_MODULES = ("vision_tower", "vision_model", "multi_modal_projector", "visual")  # vision-language models
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # PEFT's ``target_parameters`` on a stacked experts module: one ParamWrapper per parameter, nested (the
@@ -73,8 +72,11 @@ class LoRALayout:
         if shape.moe is not None and getattr(model_class, "expert_lora", False):
             e, h, i = shape.moe.num_experts, shape.hidden_size, shape.moe.intermediate_size
             experts = {"experts.gate_up_proj": (e, h, 2 * i), "experts.down_proj": (e, i, h)}
-        return cls(model_class.lora_targets, module_shapes(shape), FUSED_PARTS, experts,
-                   bool(shape.moe is not None and shape.moe.gate_up_interleaved))
+        interleaved = bool(shape.moe is not None and shape.moe.gate_up_interleaved)
+        if shape.mla is not None:  # latent attention: each projection its own module
+            shapes = latent_module_shapes(shape)
+            return cls(model_class.lora_targets, shapes, {t: (t,) for t in shapes}, experts, interleaved)
+        return cls(model_class.lora_targets, module_shapes(shape), FUSED_PARTS, experts, interleaved)
 
 
 def module_shapes(shape: DecoderShape) -> dict[str, tuple[int, int]]:
@@ -83,6 +85,17 @@ def module_shapes(shape: DecoderShape) -> dict[str, tuple[int, int]]:
         shape.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def latent_module_shapes(shape: DecoderShape) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of the LoRA-able projections of a latent-attention model (DeepSeek): the
+    query (``q_proj``, or ``q_a_proj`` then ``q_b_proj``), ``kv_a_proj_with_mqa`` and ``o_proj``."""
+    mla, h, heads = shape.mla, shape.hidden_size, shape.num_heads
+    q_out = heads * mla.qk_head_dim
+    shapes = ({"q_proj": (h, q_out)} if mla.q_lora_rank is None
+              else {"q_a_proj": (h, mla.q_lora_rank), "q_b_proj": (mla.q_lora_rank, q_out)})
+    shapes.update(kv_a_proj_with_mqa=(h, mla.cache_dim), o_proj=(heads * mla.v_head_dim, h))
+    return shapes
 
 
 def load_peft_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank: int,
@@ -101,7 +114,7 @@ def load_peft_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank
         raise LoRAError(f"adapter {name!r} has rank {rank}, above max_lora_rank={max_rank}" if rank > 0
                         else f"adapter {name!r}: invalid rank {rank}")
     targets = _targets(name, config, allowed) + _expert_targets(name, config, layout)
-    pairs, expert_pairs = _read_tensors(name, root / "adapter_model.safetensors")
+    pairs, expert_pairs = _read_tensors(name, root / "adapter_model.safetensors", set(layout.shapes))
     weights = _build(name, config, pairs, shape, max_rank, layout.shapes)
     weights.update(_build_experts(name, config, expert_pairs, shape, max_rank, layout))
     found = tuple(sorted({t for _, t in weights}))
@@ -197,7 +210,7 @@ def _expert_targets(name: str, config: dict, layout: LoRALayout) -> list[str]:
     return list(raw)
 
 
-def _read_tensors(name: str, file: Path) -> tuple[dict, dict]:
+def _read_tensors(name: str, file: Path, modules: set[str]) -> tuple[dict, dict]:
     """The adapter's A/B tensors: per (layer, module) for projections, and per (layer, nesting depth) for
     ``target_parameters`` wrappers on the experts."""
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -217,7 +230,7 @@ def _read_tensors(name: str, file: Path) -> tuple[dict, dict]:
                 if match is None:
                     raise LoRAError(f"adapter {name!r}: unexpected tensor {key!r}")
                 layer, target, which = int(match[1]), match[2], match[3]
-                if target not in TARGETS:
+                if target not in modules:
                     raise LoRAError(f"adapter {name!r}: the base model has no module {target!r} ({key})")
                 pairs.setdefault((layer, target), {})[which] = reader.get_tensor(key)
     except LoRAError:

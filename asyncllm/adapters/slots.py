@@ -166,6 +166,8 @@ class LoRASlots:
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add every group's LoRA delta for ``fused`` of ``layer`` into ``y`` (in place)."""
+        if fused not in self.parts:
+            return  # a projection this model's layout takes no LoRA on (a latent-attention model's dense MLP)
         if use_triton(x):
             self._apply_kernels(layer, fused, x, y)
             return

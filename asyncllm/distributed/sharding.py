@@ -49,6 +49,8 @@ class Sharding:
         products are summed by the layer's all-reduce with the base output)."""
         if not self.tp.enabled:
             return a, b
+        if self.shape.mla is not None:
+            return self._latent_lora(target, a, b)
         if target == "q_proj":
             return a, _rows(b, *self._row_ranges("qkv_proj", "q"))
         if target in ("k_proj", "v_proj"):
@@ -57,4 +59,15 @@ class Sharding:
             return a, _rows(b, *self._row_ranges("gate_up_proj", 0))
         if target in ("o_proj", "down_proj"):
             return _columns(a, *self._column_range(target)), b
+        return a, b
+
+    def _latent_lora(self, target: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same for latent attention (model/mla.py): the query's output rows and o_proj's input columns by
+        this rank's heads; q_a_proj and kv_a_proj_with_mqa are replicated."""
+        mla = self.shape.mla
+        start, count = self.tp.split(self.shape.num_heads)
+        if target in ("q_proj", "q_b_proj"):
+            return a, _rows(b, start * mla.qk_head_dim, count * mla.qk_head_dim)
+        if target == "o_proj":
+            return _columns(a, start * mla.v_head_dim, count * mla.v_head_dim), b
         return a, b

@@ -135,7 +135,7 @@ class DecoderLayer(nn.Module):
         self.layout, self.residual_scale = shape.layout, shape.residual_scale
         if shape.mla is not None:  # multi-head latent attention (DeepSeek), over a cache of latents
 
-            self.self_attn = LatentAttention(shape, layer_index, rotary, backend, tp, full)
+            self.self_attn = LatentAttention(shape, layer_index, rotary, backend, tp, full, lora)
         else:
             self.self_attn = Attention(shape, layer_index, rotary, backend, lora, tp, full)
         if shape.is_moe(layer_index):

@@ -35,8 +35,11 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 class DeepseekV2ForCausalLM(DecoderModel):
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # q_proj stays q_proj
     renamed = {"shared_experts": "shared_expert"}
-    lora_targets = ()  # adapters are refused (no LoRA on the latent projections)
-    fast_paths = FastPaths(decode_stack=False, cuda_graphs=False, tensor_parallel=True, lora=False)
+    # adapters on the latent attention's projections (not kv_b_proj: the absorbed form never applies it as a
+    # matmul) and on the routed experts (PEFT target_parameters, model/moe_lora.py)
+    lora_targets = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+    expert_lora = True
+    fast_paths = FastPaths(decode_stack=False, cuda_graphs=False, tensor_parallel=True)
     supported_rope_types = ("default", "linear", "yarn")
 
     @classmethod

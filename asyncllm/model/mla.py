@@ -146,12 +146,13 @@ class LatentAttention(nn.Module):
     """A DeepSeek attention layer (module and parameter names as transformers' ``DeepseekV3Attention``)."""
 
     def __init__(self, shape: DecoderShape, layer_index: int, rotary: RotaryEmbedding | None, backend,
-                 tp: TensorParallel = SINGLE, full: DecoderShape | None = None) -> None:
-        """``shape``: this rank's (its ``num_heads`` a share); ``full``: the whole model's."""
+                 tp: TensorParallel = SINGLE, full: DecoderShape | None = None, lora=None) -> None:
+        """``shape``: this rank's (its ``num_heads`` a share); ``full``: the whole model's; ``lora``: the LoRA
+        slots (adapters on q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa / o_proj), or None."""
         super().__init__()
         full = full or shape
         mla = shape.mla
-        self.mla, self.tp, self.layer_index = mla, tp, layer_index
+        self.mla, self.tp, self.layer_index, self.lora = mla, tp, layer_index, lora
         self.num_heads = shape.num_heads
         hidden, q_out = shape.hidden_size, full.num_heads * mla.qk_head_dim
         if mla.q_lora_rank is None:
@@ -176,11 +177,11 @@ class LatentAttention(nn.Module):
         tokens, mla, heads = hidden.shape[0], self.mla, self.num_heads
         nope, rope, rank = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
         if mla.q_lora_rank is None:
-            q = self.q_proj(hidden)
+            q = self._project("q_proj", hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q = self._project("q_b_proj", self.q_a_layernorm(self._project("q_a_proj", hidden)))
         q_nope, q_rope = q.view(tokens, heads, mla.qk_head_dim).split([nope, rope], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([rank, rope], dim=-1)
+        latent, k_rope = self._project("kv_a_proj_with_mqa", hidden).split([rank, rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
         # copies: the fused rope kernels rotate in place
         q_rope, k_rope = self.rotary(positions, q_rope.contiguous(), k_rope.reshape(tokens, 1, rope).contiguous(), meta)
@@ -193,5 +194,12 @@ class LatentAttention(nn.Module):
         out = self.backend.forward(query, cache, cache, meta, self.scale)         # [tokens, heads, cache_dim]
         # the attended latent (its first kv_lora_rank dims) through W_UV[h]
         values = torch.bmm(out[..., :rank].transpose(0, 1), self.kv_b_proj.uv().transpose(1, 2)).transpose(0, 1)
-        result = self.o_proj(values.reshape(tokens, heads * mla.v_head_dim))
+        result = self._project("o_proj", values.reshape(tokens, heads * mla.v_head_dim))
         return self.tp.all_reduce(result)  # row-parallel: each rank holds a partial sum
+
+    def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Projection ``name`` of ``x``, with this step's LoRA deltas on it (before any norm that follows)."""
+        y = getattr(self, name)(x)
+        if self.lora is not None and self.lora.groups:
+            self.lora.apply(self.layer_index, name, x, y)
+        return y

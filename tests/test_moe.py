@@ -182,7 +182,8 @@ def test_lora_on_qwen3_moe_equals_peft_merged(model_dir_factory, tmp_path):
 EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
-@pytest.mark.parametrize("kind", MOE_KINDS + ["gpt_oss"])  # gpt-oss: stored [E, in, out], gate/up interleaved
+# gpt-oss: experts stored [E, in, out], gate/up interleaved; Llama 4: [E, in, out] without transformers saying so
+@pytest.mark.parametrize("kind", MOE_KINDS + ["gpt_oss", "llama4"])
 def test_lora_on_the_experts_equals_peft_merged_in_one_mixed_batch(kind, model_dir_factory, tmp_path):
     """PEFT target_parameters on the stacked experts (each expert's own A/B pair), alone and with attention
     LoRA, of two ranks, and the base model, all in one batch: each prompt equal to its PEFT-merged model."""

@@ -59,24 +59,29 @@ class LoRALayout:
     targets: tuple[str, ...]
     shapes: dict[str, tuple[int, int]]
     parts: dict[str, tuple[str, ...]]
-    # PEFT ``target_parameters`` on the experts: each one's (experts, in, out) per expert, whole model
+    # PEFT ``target_parameters`` on the experts: each one's (experts, in, out) as PEFT sees it, whole model
     experts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     experts_interleaved: bool = False  # gate/up output columns alternate (gpt-oss) where the engine has gate, then up
+    # the experts stored [E, in, out] without transformers saying so (Llama 4): PEFT takes the parameter's last
+    # two dims as (out, in), so its A/B pairs are the projection's transposed product (B^T A^T)
+    experts_swapped: bool = False
 
     @classmethod
     def of(cls, shape: DecoderShape) -> "LoRALayout":
         """A native family's layout: its declared targets on the engine's fused projections, and the
         experts' parameters where the family takes LoRA on them."""
         model_class = architecture_named(shape.architecture).model_class()
-        experts = {}
-        if shape.moe is not None and getattr(model_class, "expert_lora", False):
+        experts, expert_lora = {}, getattr(model_class, "expert_lora", False)
+        swapped = expert_lora == "swapped"
+        if shape.moe is not None and expert_lora:
             e, h, i = shape.moe.num_experts, shape.hidden_size, shape.moe.intermediate_size
-            experts = {"experts.gate_up_proj": (e, h, 2 * i), "experts.down_proj": (e, i, h)}
+            experts = ({"experts.gate_up_proj": (e, 2 * i, h), "experts.down_proj": (e, h, i)} if swapped
+                       else {"experts.gate_up_proj": (e, h, 2 * i), "experts.down_proj": (e, i, h)})
         interleaved = bool(shape.moe is not None and shape.moe.gate_up_interleaved)
         if shape.mla is not None:  # latent attention: each projection its own module
             shapes = latent_module_shapes(shape)
-            return cls(model_class.lora_targets, shapes, {t: (t,) for t in shapes}, experts, interleaved)
-        return cls(model_class.lora_targets, module_shapes(shape), FUSED_PARTS, experts, interleaved)
+            return cls(model_class.lora_targets, shapes, {t: (t,) for t in shapes}, experts, interleaved, swapped)
+        return cls(model_class.lora_targets, module_shapes(shape), FUSED_PARTS, experts, interleaved, swapped)
 
 
 def module_shapes(shape: DecoderShape) -> dict[str, tuple[int, int]]:
@@ -295,8 +300,10 @@ def _build_experts(name, config, pairs, shape: DecoderShape, max_rank: int, layo
         short = target.rpartition(".")[2]
         module_alpha = float((config.get("alpha_pattern") or {}).get(short, alpha))
         scale = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        b = b.reshape(o, rank, e).permute(2, 0, 1)
+        a, b = a.reshape(e, rank, i), b.reshape(o, rank, e).permute(2, 0, 1)
+        if layout.experts_swapped:  # PEFT's delta is (B A)^T of the projection's: A' = B^T, B' = A^T
+            a, b = b.transpose(1, 2), a.transpose(1, 2)
         if layout.experts_interleaved and target == "experts.gate_up_proj":  # the engine's rows: gate, then up
             b = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
-        weights[(layer, target)] = (a.reshape(e, rank, i).contiguous(), (b * scale).contiguous())
+        weights[(layer, target)] = (a.contiguous(), (b * scale).contiguous())
     return weights

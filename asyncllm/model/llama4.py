@@ -92,7 +92,7 @@ class TemperatureTuning(nn.Module):
 class Llama4ForCausalLM(MoEFamily, DecoderModel):
     renamed = {"feed_forward": "mlp", "router": "gate"}
     interleaved_rope = True
-    expert_lora = False  # its experts are stored [E, in, out]: not mapped yet
+    expert_lora = "swapped"  # its experts are stored [E, in, out], unmarked: PEFT's pairs come transposed
 
     @classmethod
     def language_config(cls, config):

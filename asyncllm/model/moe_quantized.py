@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..distributed.parallel import SINGLE
+from .expert_groups import run_grouped
 from .layers import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -54,9 +55,7 @@ class CheckpointExperts(nn.Module):
         return layer.method.primary(kind)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, stack) -> torch.Tensor:
-        """This rank's part of the routed experts' weighted sum (as model.moe.grouped_experts sums it)."""
-        from .moe import run_grouped
-
+        """This rank's part of the routed experts' weighted sum (summed as model.moe.grouped_experts sums it)."""
         activation = stack.activation
         return run_grouped(x, weights, ids, stack.first_expert, stack.local_experts, stack.moe.weights_on_input,
                            lambda e, state: self.down[e](activation(self.gate_up[e](state))))

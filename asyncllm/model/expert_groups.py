@@ -11,9 +11,9 @@ import torch
 
 def run_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first_expert: int, local: int,
                 weights_on_input: bool, expert) -> torch.Tensor:
-    """The routed experts' weighted sum (model/moe.py's ``grouped_experts``) with each expert's computation given:
-    ``expert(e, rows) -> outputs`` for local
-    expert ``e`` and the (token) rows routed to it, in token order."""
+    """The routed experts' weighted sum (model/moe.py's ``grouped_experts``) with each expert's computation
+    given: ``expert(e, rows) -> outputs`` for local expert ``e`` and the (token) rows routed to it, in token
+    order."""
     tokens, k = ids.shape
     out = torch.zeros_like(x)
     if tokens == 0:

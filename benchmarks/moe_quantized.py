@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine_info
 from benchmarks.measure import utc_now, write_report
-from benchmarks.w_moe import ensure_model, prompts
+from benchmarks.w_moe import ensure_model, time_asyncllm
 
 FORMATS = ("float", "gptq4", "gptq8", "fp8")
 
@@ -57,20 +56,6 @@ def expert_bytes(llm) -> int:
     return stack.w13.nbytes + stack.w2.nbytes
 
 
-def tokens_per_second(llm, batch: int, prompt_len: int, gen_len: int, repeats: int) -> float:
-    from asyncllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
-    batch_prompts = prompts(batch, prompt_len)
-    llm.generate(batch_prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        llm.generate(batch_prompts, params)
-        best = min(best, time.perf_counter() - start)
-    return batch * gen_len / best
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from asyncllm import LLM
 
@@ -83,7 +68,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             row = {"expert_mib_per_layer": round(expert_bytes(llm) / 2**20, 2), "tok_s": {}}
             for b in args.batches:
-                row["tok_s"][str(b)] = round(tokens_per_second(llm, b, args.prompt_len, args.gen_len, args.repeats), 1)
+                seconds = time_asyncllm(llm, b, args.prompt_len, args.gen_len, args.repeats)
+                row["tok_s"][str(b)] = round(b * args.gen_len / seconds, 1)
             log(f"{fmt}: {row}")
             results[fmt] = row
         finally:

@@ -386,11 +386,9 @@ class ExpertStack(nn.Module):
         """This rank's part of the routed experts' weighted sum (a partial sum under TP/EP)."""
         from ..kernels.ops import use_cpu, use_triton
 
-        if self.quantized is not None:  # as the quantized checkpoint stores them (model/moe_quantized.py)
-            return self.quantized(x, weights, ids, self)
-        if self.w13 is None:  # int8 experts
-            return grouped_experts(x, weights, ids, self.w13_int8, self.w2_int8, self.activation, self.first_expert,
-                                   self.b13, self.b2, self.moe.weights_on_input)
+        if self.w13 is None:  # int8 experts, or a quantized checkpoint's (model/moe_quantized.py): expert by expert
+            return run_grouped(x, weights, ids, self.first_expert, self.local_experts, self.moe.weights_on_input,
+                               lambda e, state: self.project_down(e, self.activation(self.project_gate_up(e, state))))
         if use_triton(x):
             from ..kernels.triton_moe import triton_available_for, triton_fused_experts
 

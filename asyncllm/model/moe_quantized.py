@@ -9,7 +9,7 @@ act-order and tensor-parallel cut the dense layers take, the experts take too, a
 becomes the same kernel-backed module (GroupQuantLinear, Int8Linear or Fp8Linear): the packed weights are
 what stays in memory, never a float copy of the experts.
 
-The step runs the experts grouped: each active expert's kernel once for all of its tokens.
+The step runs the experts grouped (ExpertStack.forward): each active expert's kernels once for all of its tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ..distributed.parallel import SINGLE
-from .expert_groups import run_grouped
 from .layers import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -53,12 +52,6 @@ class CheckpointExperts(nn.Module):
             layer, piece = self.gate_up[expert], 0 if part == "gate" else 1
         layer.weight_loader(kind, tensor, piece, name)
         return layer.method.primary(kind)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, stack) -> torch.Tensor:
-        """This rank's part of the routed experts' weighted sum (summed as model.moe.grouped_experts sums it)."""
-        activation = stack.activation
-        return run_grouped(x, weights, ids, stack.first_expert, stack.local_experts, stack.moe.weights_on_input,
-                           lambda e, state: self.down[e](activation(self.gate_up[e](state))))
 
     def held_bytes(self) -> int:
         """The bytes the experts' weights take in memory (packed values, scales, zero points)."""

@@ -1,8 +1,9 @@
-"""dtype="bfloat16" on CPU (platform.py ``bf16_weights``): bf16-rounded weights, read as bf16 panels by the decode
-stack and the LM head on AVX-512 builds with float32 arithmetic, so decode steps equal transformers computing in
-float32 on the same rounded weights token for token; prefill matmuls run in bf16 where oneDNN has native bf16,
-checked against that float32 computation within a tolerance. On builds without AVX-512 the older bf16 path
-(torch in bfloat16 throughout) runs instead."""
+"""dtype="bfloat16" on CPU (platform.py ``bf16_weights``): bf16-rounded weights, read as paired bf16 panels by the
+decode stack and the LM head on AVX-512 builds. Decode steps of fewer than ``bf16_dot_rows()`` rows run float32
+arithmetic on them, so they equal transformers computing in float32 on the same rounded weights token for token;
+larger decode steps (AVX512-BF16 builds) and prefill matmuls (where oneDNN has native bf16) round the activations
+to bf16, checked against that float32 computation within a tolerance. On builds without AVX-512 the older bf16
+path (torch in bfloat16 throughout) runs instead."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.kernels.cpu_decode_stack import panels_supported
-from asyncllm.kernels.cpu_panel_linear import PanelLinear
+from asyncllm.kernels.cpu_decode_stack import bf16_dot_rows, pair_panels_bf16, panels_supported
+from asyncllm.kernels.cpu_panel_linear import PanelEmbedding, PanelLinear
 from checkpoints import load_reference_model, random_prompts, reference_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -48,6 +49,7 @@ def test_decode_steps_equal_float32_on_rounded_weights(model_dirs, kind):
         assert runner.bf16_weights and runner.dtype == torch.float32 and len(calls) >= GREEDY.max_tokens
         assert runner.decode_stack.weights == "bfloat16"
         assert all(t.dtype == torch.bfloat16 for t in runner.decode_stack._keep if t.dim() == 3)  # the panels
+        assert len(prompts) < bf16_dot_rows() or not bf16_dot_rows()  # float32 activations: exact
         assert runner.kv_caches[0][0].dtype == torch.float32
         head = runner.model.lm_head
         assert isinstance(head, PanelLinear) and head.panels.dtype == torch.bfloat16
@@ -93,13 +95,64 @@ def test_the_torch_reference_stays_plain_bfloat16(model_dirs):
 
 
 @pytest.mark.skipif(not panels_supported(), reason="bf16 panels are an AVX-512 build's (checked above otherwise)")
-@pytest.mark.parametrize("rows", [1, 5, 12, 33])
-def test_bf16_panel_head_equals_the_float32_one_on_rounded_weights(rows):
+@pytest.mark.parametrize("rows", [1, 5, 7, 8, 12, 33])
+@pytest.mark.parametrize("width", [64, 63])  # 63: an odd width, the last pair half padding
+def test_bf16_panel_head_against_float32_on_rounded_weights(rows, width):
+    """Below bf16_dot_rows() rows: exactly the float32 panels' FMAs on the rounded weights. From there (AVX512-BF16
+    builds): bf16 dot products, equal to float32 arithmetic on bf16-rounded activations up to summation order,
+    and within bf16's rounding of the float32 result."""
     torch.manual_seed(rows)
-    weight = torch.randn(100, 64).to(torch.bfloat16).float()  # 100: a partial last panel
-    x = torch.randn(rows, 64)
+    weight = torch.randn(100, width).to(torch.bfloat16).float()  # 100: a partial last panel
+    x = torch.randn(rows, width)
     f32, bf16 = PanelLinear(weight), PanelLinear(weight, bf16=True)
-    assert bf16.panels.dtype == torch.bfloat16 and bf16.panels.nbytes * 2 == f32.panels.nbytes
-    torch.testing.assert_close(bf16(x), f32(x), rtol=0, atol=0)  # the same float32 FMAs in the same order
-    torch.testing.assert_close(bf16(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert bf16.panels.dtype == torch.bfloat16 and bf16.panels.nbytes * 2 == f32.panels.nbytes + 4 * 32 * 4 * (width % 2)  # 4 panels: a padding row each
     assert torch.equal(bf16.weight, weight)
+    if not bf16_dot_rows() or rows < bf16_dot_rows():
+        torch.testing.assert_close(bf16(x), f32(x), rtol=0, atol=0)  # the same float32 FMAs in the same order
+        torch.testing.assert_close(bf16(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+    else:
+        rounded = x.to(torch.bfloat16).float() @ weight.T
+        torch.testing.assert_close(bf16(x), rounded, rtol=1e-5, atol=1e-4)
+        assert not torch.equal(bf16(x), f32(x))  # the activations were rounded
+        torch.testing.assert_close(bf16(x), x @ weight.T, rtol=0.02, atol=0.15)
+
+
+def test_paired_panels_hold_each_weight_pair_side_by_side():
+    weight = torch.arange(40 * 5, dtype=torch.float32).reshape(40, 5)  # small integers: exact in bf16
+    panels = pair_panels_bf16(weight)
+    assert panels.shape == (2, 3, 64) and panels.dtype == torch.bfloat16
+    assert panels[1, 1, 2 * 3].item() == weight[35, 2] and panels[1, 1, 2 * 3 + 1].item() == weight[35, 3]
+    assert panels[0, 2, 1].item() == 0 and panels[1, 0, 2 * 8].item() == 0  # past K, past N
+    embedding = PanelEmbedding(PanelLinear(weight, bf16=True))
+    assert torch.equal(embedding(torch.tensor([[35, 0], [39, 7]])), weight[torch.tensor([[35, 0], [39, 7]])])
+
+
+@pytest.mark.skipif(not bf16_dot_rows(), reason="bf16 dot products are an AVX512-BF16 build's")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_many_row_decode_steps_in_bf16_dot_products_stay_close_to_float32(model_dirs, kind):
+    """Decode steps of bf16_dot_rows() rows and more multiply bf16 activations: every sequence's log-probabilities
+    within a tolerance of transformers' float32 on the rounded weights, most greedy tokens the same, and the
+    steps went through the decode stack's dot-product path (with as many rows)."""
+    model_dir = model_dirs[kind]
+    prompts = [[t] for t in range(17, 17 + 7 * 12, 7)]  # 12 one-token prompts: decode steps of 12 rows
+    reference = _rounded_reference(model_dir)
+    expected = reference_greedy(model_dir, prompts, GREEDY.max_tokens, model=reference)
+    llm = LLM(str(model_dir), dtype="bfloat16")
+    runner = llm.engine.runner
+    rows = []
+    run = runner.decode_stack.run
+    runner.decode_stack.run = lambda ids, *a, **k: (rows.append(ids.shape[0]), run(ids, *a, **k))[1]
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params)
+    assert max(rows) == len(prompts) >= bf16_dot_rows()
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    agree = sum(a == b for t, e in zip(tokens, expected) for a, b in zip(t, e)) / sum(map(len, expected))
+    assert agree >= 0.75, agree
+    diffs = []
+    with torch.no_grad():
+        for out, prompt in zip(outputs, prompts):
+            ids = prompt + out.outputs[0].token_ids
+            ref = torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), -1)
+            for i, token in enumerate(out.outputs[0].token_ids[1:], start=1):  # the decode steps' tokens
+                diffs.append(abs(out.outputs[0].logprobs[i][token] - float(ref[len(prompt) - 1 + i, token])))
+    assert sum(diffs) / len(diffs) < 0.25 and max(diffs) < 2.0, (sum(diffs) / len(diffs), max(diffs))

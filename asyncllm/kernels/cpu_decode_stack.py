@@ -64,7 +64,8 @@ _SIGNATURES = (("decode_stack_f32", (ctypes.POINTER(_Layer), _i64, _int, _i64, _
                                      _int, _int), _int),
                ("decode_stack_panels", (), _int),
                ("panel_linear_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int),
-               ("panel_linear_bf16", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int))
+               ("panel_linear_bf16", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int),
+               ("decode_stack_dp_rows", (), _int))
 
 
 def _library() -> ctypes.CDLL | None:
@@ -80,6 +81,32 @@ def panels_supported() -> bool:
     batches up to :data:`MAX_PANEL_ROWS` rows."""
     lib = _library()
     return lib is not None and bool(lib.decode_stack_panels())
+
+
+def bf16_dot_rows() -> int:
+    """The fewest rows of a step for which bf16 panels multiply with bf16 dot products (``vdpbf16ps``, the
+    activations rounded to bf16), or 0 where this build has no AVX512-BF16 (float32 activations always)."""
+    lib = _library()
+    return int(lib.decode_stack_dp_rows()) if lib is not None else 0
+
+
+def pair_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] weight holding bf16-rounded values as the kernel's paired bf16 panels: [ceil(N / 32),
+    ceil(K / 2), 64], where entry [p, j, 2c + h] is the weight of output column 32 p + c at input column
+    2 j + h (zeros past N and past K): the two weights a ``vdpbf16ps`` lane multiplies side by side."""
+    panels = to_panels(weight)  # [P, K, 32]
+    p, k, _ = panels.shape
+    if k % 2:
+        panels = torch.cat([panels, panels.new_zeros(p, 1, PANEL)], dim=1)
+    pairs = panels.reshape(p, -1, 2, PANEL).transpose(2, 3)  # [P, K2, 32, 2]
+    return pairs.to(torch.bfloat16).reshape(p, -1, 2 * PANEL).contiguous()
+
+
+def unpair_panels_bf16(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The dense float32 [N, K] weight back from :func:`pair_panels_bf16`'s panels (exact)."""
+    p, pairs, _ = panels.shape
+    dense = panels.reshape(p, pairs, PANEL, 2).permute(0, 2, 1, 3).reshape(p * PANEL, 2 * pairs)
+    return dense[:out_features, :in_features].float()
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -101,7 +128,7 @@ def _projection(module: nn.Module, weights: str, panels: bool) -> tuple[torch.Te
             raise TypeError(f"{type(module).__name__} among {weights} projections")
         weight = module.weight.detach()
         if weights == "bfloat16":  # the values are bf16-rounded already (the runner rounds them): exact
-            return to_panels(weight).to(torch.bfloat16), None, None, module.bias
+            return pair_panels_bf16(weight), None, None, module.bias
         return (to_panels(weight) if panels else weight.contiguous()), None, None, module.bias
     if weights == "int4":
         if not isinstance(module, GroupQuantLinear):

@@ -14,19 +14,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cpu_decode_stack import _library, panels_supported, to_panels
+from .cpu_decode_stack import PANEL, _library, pair_panels_bf16, panels_supported, to_panels, unpair_panels_bf16
 
 
 class PanelLinear(nn.Module):
     """``y = x @ W.T`` (no bias) for float32 CPU inputs, ``W`` held as panels; build with :meth:`build`."""
 
     def __init__(self, weight: torch.Tensor, bf16: bool = False) -> None:
-        """``bf16``: hold the panels as bfloat16 (``weight`` holds bf16-rounded values: exact), half the bytes."""
+        """``bf16``: hold the panels as paired bfloat16 panels (``weight`` holds bf16-rounded values: exact), half
+        the bytes; steps of many rows then multiply with bf16 dot products (``cpu_decode_stack.bf16_dot_rows``)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # a plain attribute, as PackedLinear's: the engine never moves or saves a loaded model
-        panels = to_panels(weight.detach())
-        self.panels = panels.to(torch.bfloat16) if bf16 else panels
+        self.panels = pair_panels_bf16(weight.detach()) if bf16 else to_panels(weight.detach())
         self._fn = _library().panel_linear_bf16 if bf16 else _library().panel_linear_f32
 
     @classmethod
@@ -39,6 +39,8 @@ class PanelLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dense weight, rebuilt on demand (for inspection; the forward never uses it)."""
+        if self.panels.dtype == torch.bfloat16:
+            return unpair_panels_bf16(self.panels, self.out_features, self.in_features)
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,11 @@ class PanelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         panels = self.head[0].panels
         flat = input_ids.reshape(-1)
-        rows = panels[flat // 32, :, flat % 32].float()  # (bf16 panels: exact, their values are bf16)
+        if panels.dtype == torch.bfloat16:  # paired panels: column c's pairs at [p, :, 2c : 2c + 2]
+            pairs = panels.reshape(panels.shape[0], panels.shape[1], PANEL, 2)
+            rows = pairs[flat // PANEL, :, flat % PANEL].reshape(flat.numel(), -1)[:, :self.embedding_dim].float()
+        else:
+            rows = panels[flat // PANEL, :, flat % PANEL]
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -296,8 +296,8 @@ static void gemv1_i8_madd(const int16_t *xq, const float *xs, int64_t K, const i
 #define PANEL 32
 #define PANEL_ROWS 12      /* most rows per tile: 24 accumulators + 2 weight vectors of 32 zmm */
 #define PANEL_PREFETCH 512 /* floats ahead in a panel streamed by a single tile: 2 KiB, 16 input columns */
-/* One register tile of R rows over one panel, for float32 panels (LOAD = _mm512_loadu_ps) and bf16 panels
- * (LOAD = widen_bf16, below): a panel row is 32 weights, two zmm vectors once loaded. */
+/* One register tile of R rows over one float32 panel (WT float, LOAD _mm512_loadu_ps): a panel row is 32
+ * weights, two zmm vectors. */
 #define PANEL_TILE_T(R, SUFFIX, WT, LOAD)                                                                     \
     static __attribute__((noinline)) void panel_tile##SUFFIX##_##R(const float *x, int64_t K, const WT *P,    \
                                                                    float *out, const WT *next,                \
@@ -347,14 +347,64 @@ static const panel_tile_fn panel_tiles[PANEL_ROWS + 1] = {
     NULL, panel_tile_1, panel_tile_2, panel_tile_3, panel_tile_4, panel_tile_5, panel_tile_6,
     panel_tile_7, panel_tile_8, panel_tile_9, panel_tile_10, panel_tile_11, panel_tile_12};
 
-/* bfloat16 weights in the same panels ([ceil(N / 32)][K][32] of 16-bit values): each weight vector is
- * widened to float32 in registers (a bf16 value is the top half of a float32, so a shift is exact) and
- * the tile runs the float32 FMAs on the float32 activations. The step reads half the bytes; the result
- * is float32 arithmetic on bf16-rounded weights (what dtype="bfloat16" means on CPU, docs/cpu.md). */
-static inline __m512 widen_bf16(const uint16_t *w) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
-}
-#define PANEL_TILE_BF16(R) PANEL_TILE_T(R, _bf16, uint16_t, widen_bf16)
+/* bfloat16 weights in paired panels, [ceil(N / 32)][ceil(K / 2)][32][2] of 16-bit values: for each pair of input
+ * columns (k, k + 1) a panel holds, per output column, its two weights side by side in one 32-bit lane, so a
+ * panel's pair row is two zmm vectors of 16 columns each (pair_panels_bf16 in kernels/cpu_decode_stack.py makes
+ * them; zero weights past N and, for odd K, past K). Two ways to multiply them:
+ *  - widened (panel_tile_bf16): a lane's low half shifted up is the k weight as a float32, its high half masked
+ *    is the k + 1 weight (a bf16 value is the top half of a float32: exact), and the tile runs float32 FMAs on
+ *    the float32 activations in the same order as the float32 panels: the result is float32 arithmetic on
+ *    bf16-rounded weights, reading half the bytes;
+ *  - bf16 dot products (panel_tile_dp, AVX512-BF16 builds): the activations rounded to bf16 pairs once per
+ *    call (pair_rows_bf16), and one vdpbf16ps per 16 columns multiplies both columns of a pair into float32
+ *    sums, half the instructions of the widened tile. Used for steps of at least DP_MIN_ROWS rows, where the
+ *    FMAs, not the weight bytes, bound the step; smaller steps keep float32 activations, which cost nothing
+ *    there. */
+#ifndef DP_MIN_ROWS
+#define DP_MIN_ROWS 8
+#endif
+#define PAIR_PREFETCH 1024 /* 16-bit values ahead in a paired panel streamed by a single tile: 2 KiB */
+#define PAIR_TILE_PREFETCH                                                                                    \
+    const uint16_t *ahead = tiles == 1 ? w + PAIR_PREFETCH : turn == 0 ? next + 2 * PANEL * kk : NULL;         \
+    if (ahead) {                                                                                              \
+        __builtin_prefetch(ahead, 0, 3);                                                                      \
+        __builtin_prefetch(ahead + 32, 0, 3);                                                                 \
+    }                                                                                                         \
+    turn = turn + 1 == tiles ? 0 : turn + 1;
+#define PANEL_TILE_BF16(R)                                                                                    \
+    static __attribute__((noinline)) void panel_tile_bf16_##R(const float *x, int64_t K, const uint16_t *P,  \
+                                                              float *out, const uint16_t *next, int64_t phase, \
+                                                              int64_t tiles) {                                \
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);                                             \
+        __m512 a[R], b[R];                                                                                    \
+        for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();                                        \
+        const int64_t pairs = (K + 1) / 2;                                                                    \
+        for (int64_t kk = 0, turn = phase; kk < pairs; kk++) {                                                \
+            const uint16_t *w = P + 2 * PANEL * kk;                                                           \
+            PAIR_TILE_PREFETCH                                                                                \
+            const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 32);                       \
+            const __m512 l0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));                                 \
+            const __m512 l1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));                                 \
+            for (int r = 0; r < R; r++) {                                                                     \
+                const __m512 xr = _mm512_set1_ps(x[r * K + 2 * kk]);                                          \
+                a[r] = _mm512_fmadd_ps(xr, l0, a[r]);                                                         \
+                b[r] = _mm512_fmadd_ps(xr, l1, b[r]);                                                         \
+            }                                                                                                 \
+            if (2 * kk + 1 < K) {                                                                             \
+                const __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));                            \
+                const __m512 h1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));                            \
+                for (int r = 0; r < R; r++) {                                                                 \
+                    const __m512 xr = _mm512_set1_ps(x[r * K + 2 * kk + 1]);                                  \
+                    a[r] = _mm512_fmadd_ps(xr, h0, a[r]);                                                     \
+                    b[r] = _mm512_fmadd_ps(xr, h1, b[r]);                                                     \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++) {                                                                         \
+            _mm512_storeu_ps(out + PANEL * r, a[r]);                                                          \
+            _mm512_storeu_ps(out + PANEL * r + 16, b[r]);                                                     \
+        }                                                                                                     \
+    }
 PANEL_TILE_BF16(1)
 PANEL_TILE_BF16(2)
 PANEL_TILE_BF16(3)
@@ -375,39 +425,161 @@ static const panel_tile_bf16_fn panel_tiles_bf16[PANEL_ROWS + 1] = {
     panel_tile_bf16_6, panel_tile_bf16_7, panel_tile_bf16_8, panel_tile_bf16_9, panel_tile_bf16_10,
     panel_tile_bf16_11, panel_tile_bf16_12};
 
-/* y[m][n] = x[m] . W[n] (+ bias) with W in panels; the threads split the panels, each panel goes
- * through the rows in tiles of at most PANEL_ROWS, balanced (32 rows: 10 + 11 + 11). One body for both
- * weight types (float32 panels: project_panels, bf16 panels: project_panels_bf16). */
-#define PROJECT_PANELS(NAME, WT, TILES)                                                                          \
-    static void NAME(const float *x, int64_t M, int64_t K, const WT *W, const float *bias, float *y, int64_t N) { \
-        const int64_t panels = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS;             \
-        _Pragma("omp for schedule(static)")                                                                    \
-        for (int64_t p = 0; p < panels; p++) {                                                                 \
-            const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;                               \
-            for (int64_t t = 0; t < tiles; t++) {                                                              \
-                const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;                                    \
-                float out[PANEL_ROWS * PANEL];                                                                 \
-                TILES[m1 - m0](x + m0 * K, K, W + p * K * PANEL, out, W + (p + 1) * K * PANEL, t, tiles);        \
-                for (int64_t m = m0; m < m1; m++)                                                              \
-                    for (int64_t j = 0; j < cols; j++)                                                         \
-                        y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);          \
-            }                                                                                                  \
-        }                                                                                                      \
+#ifdef __AVX512BF16__
+/* rows x[M][K] as bf16 pairs xp[M][ceil(K / 2)] (round to nearest even; a zero past K for odd K), the
+ * activations' side of panel_tile_dp */
+static void pair_rows_bf16(const float *x, int64_t M, int64_t K, uint32_t *xp) {
+    const int64_t pairs = (K + 1) / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *src = x + m * K;
+        uint16_t *dst = (uint16_t *)(xp + m * pairs);
+        for (int64_t k = 0; k < 2 * pairs; k += 32) {
+            const int64_t left = K - k, room = 2 * pairs - k;
+            const __mmask16 lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            const __mmask16 hi = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            const __m512 v0 = _mm512_maskz_loadu_ps(lo, src + k), v1 = _mm512_maskz_loadu_ps(hi, src + k + 16);
+            const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);  /* v0's 16 values first */
+            const __mmask32 keep = room >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << room) - 1);
+            _mm512_mask_storeu_epi16(dst + k, keep, packed);
+        }
     }
-PROJECT_PANELS(project_panels, float, panel_tiles)
-PROJECT_PANELS(project_panels_bf16, uint16_t, panel_tiles_bf16)
+}
+
+#define PANEL_TILE_DP(R)                                                                                      \
+    static __attribute__((noinline)) void panel_tile_dp_##R(const uint32_t *xp, int64_t pairs, const uint16_t *P, \
+                                                            float *out, const uint16_t *next, int64_t phase,  \
+                                                            int64_t tiles) {                                  \
+        __m512 a[R], b[R];                                                                                    \
+        for (int r = 0; r < R; r++) a[r] = b[r] = _mm512_setzero_ps();                                        \
+        for (int64_t kk = 0, turn = phase; kk < pairs; kk++) {                                                \
+            const uint16_t *w = P + 2 * PANEL * kk;                                                           \
+            PAIR_TILE_PREFETCH                                                                                \
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);   \
+            for (int r = 0; r < R; r++) {                                                                     \
+                const __m512bh xr = (__m512bh)_mm512_set1_epi32((int)xp[r * pairs + kk]);                     \
+                a[r] = _mm512_dpbf16_ps(a[r], xr, w0);                                                        \
+                b[r] = _mm512_dpbf16_ps(b[r], xr, w1);                                                        \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++) {                                                                         \
+            _mm512_storeu_ps(out + PANEL * r, a[r]);                                                          \
+            _mm512_storeu_ps(out + PANEL * r + 16, b[r]);                                                     \
+        }                                                                                                     \
+    }
+PANEL_TILE_DP(1)
+PANEL_TILE_DP(2)
+PANEL_TILE_DP(3)
+PANEL_TILE_DP(4)
+PANEL_TILE_DP(5)
+PANEL_TILE_DP(6)
+PANEL_TILE_DP(7)
+PANEL_TILE_DP(8)
+PANEL_TILE_DP(9)
+PANEL_TILE_DP(10)
+PANEL_TILE_DP(11)
+PANEL_TILE_DP(12)
+
+typedef void (*panel_tile_dp_fn)(const uint32_t *, int64_t, const uint16_t *, float *, const uint16_t *, int64_t,
+                                 int64_t);
+static const panel_tile_dp_fn panel_tiles_dp[PANEL_ROWS + 1] = {
+    NULL, panel_tile_dp_1, panel_tile_dp_2, panel_tile_dp_3, panel_tile_dp_4, panel_tile_dp_5, panel_tile_dp_6,
+    panel_tile_dp_7, panel_tile_dp_8, panel_tile_dp_9, panel_tile_dp_10, panel_tile_dp_11, panel_tile_dp_12};
 #endif
 
-/* panel_linear_f32 with bfloat16 panels (the LM head of a dtype="bfloat16" model): 0, or 1 without AVX-512. */
+/* y[m][n] = x[m] . W[n] (+ bias) with W in float32 panels; the threads split the panels, each panel goes
+ * through the rows in tiles of at most PANEL_ROWS, balanced (32 rows: 10 + 11 + 11). */
+static void project_panels(const float *x, int64_t M, int64_t K, const float *W, const float *bias, float *y,
+                           int64_t N) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
+            float out[PANEL_ROWS * PANEL];
+            panel_tiles[m1 - m0](x + m0 * K, K, W + p * K * PANEL, out, W + (p + 1) * K * PANEL, t, tiles);
+            for (int64_t m = m0; m < m1; m++)
+                for (int64_t j = 0; j < cols; j++)
+                    y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+}
+
+/* Whether a step of M rows multiplies bf16 panels with bf16 dot products (panel_tile_dp). */
+static inline int use_dp(int64_t M) {
+#ifdef __AVX512BF16__
+    return M >= DP_MIN_ROWS;
+#else
+    (void)M;
+    return 0;
+#endif
+}
+
+/* The same with W in paired bf16 panels (widened, or bf16 dot products for steps of at least DP_MIN_ROWS
+ * rows, see above). xp: this thread's M * ceil(K / 2) pairs of scratch for the rounded activations (the
+ * dot-product path only). */
+static void project_panels_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, float *y,
+                                int64_t N, uint32_t *xp) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS, pairs = (K + 1) / 2;
+    const int64_t stride = 2 * PANEL * pairs; /* 16-bit values per panel */
+    const int dp = use_dp(M);
+#ifdef __AVX512BF16__
+    if (dp) pair_rows_bf16(x, M, K, xp); /* every thread for itself: M * K values, cheaper than a barrier */
+#else
+    (void)xp;
+#endif
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
+            float out[PANEL_ROWS * PANEL];
+#ifdef __AVX512BF16__
+            if (dp)
+                panel_tiles_dp[m1 - m0](xp + m0 * pairs, pairs, W + p * stride, out, W + (p + 1) * stride, t, tiles);
+            else
+#endif
+                panel_tiles_bf16[m1 - m0](x + m0 * K, K, W + p * stride, out, W + (p + 1) * stride, t, tiles);
+            for (int64_t m = m0; m < m1; m++)
+                for (int64_t j = 0; j < cols; j++)
+                    y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+}
+#endif
+
+/* panel_linear_f32 with paired bfloat16 panels (the LM head of a dtype="bfloat16" model): 0, 1 without AVX-512,
+ * 2 when scratch memory runs out. */
 int panel_linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, float *y, int64_t N,
                       int num_threads) {
 #ifdef __AVX512F__
-#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
-    project_panels_bf16(x, M, K, W, bias, y, N);
+    if (num_threads < 1) num_threads = 1;
+    const size_t per_thread = use_dp(M) ? (size_t)(M * ((K + 1) / 2) + 16) : 0;
+    uint32_t *xp = per_thread ? (uint32_t *)malloc((size_t)num_threads * per_thread * sizeof(uint32_t)) : NULL;
+    if (per_thread && !xp) return 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        tid = omp_get_thread_num();
+#endif
+        project_panels_bf16(x, M, K, W, bias, y, N, xp ? xp + (size_t)tid * per_thread : NULL);
+    }
+    free(xp);
     return 0;
 #else
     (void)x, (void)M, (void)K, (void)W, (void)bias, (void)y, (void)N, (void)num_threads;
     return 1;
+#endif
+}
+
+/* The fewest rows for which bf16 panels use bf16 dot products (vdpbf16ps), or 0 where this build has none. */
+int decode_stack_dp_rows(void) {
+#ifdef __AVX512BF16__
+    return DP_MIN_ROWS;
+#else
+    return 0;
 #endif
 }
 
@@ -604,7 +776,6 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
     if (kind < 0 || kind > 3 || (kind == 2 && M > MB)) return 3;
     if (num_threads < 1) num_threads = 1;
     const int int8 = kind == 1, q4 = kind == 2, bf16 = kind == 3;
-    (void)bf16;
     /* group: 0 = one scale per output channel (the group is the whole input row) */
     const int64_t g_h = group ? group : H, g_q = group ? group : Q, g_i = group ? group : I;
 #define ROUND16(n) (((size_t)(n) + 15) / 16 * 16) /* floats: keeps every buffer 64-byte aligned */
@@ -620,7 +791,10 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
         }
     }
     const size_t shared = ROUND16(M * (QKV + Q + H + 2 * I));
-    const size_t private_floats = ROUND16(M * (2 * H + I) + per_kv * (longest + D)) + xd_floats + ps_floats;
+    /* bf16 dot products: each thread's activations as bf16 pairs (M rows of the widest input) */
+    const int64_t widest = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
+    const size_t xp_floats = bf16 && use_dp(M) ? ROUND16(M * ((widest + 1) / 2)) : 0;
+    const size_t private_floats = ROUND16(M * (2 * H + I) + per_kv * (longest + D)) + xd_floats + ps_floats + xp_floats;
     float *scratch = (float *)aligned_alloc(64, (shared + (size_t)num_threads * private_floats) * sizeof(float));
     if (!scratch) return 1;
     float *qkv = scratch, *attn = qkv + M * QKV, *delta = attn + M * Q, *gate_up = delta + M * H;
@@ -634,12 +808,13 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
 #endif
         float *mine = scratch + shared + (size_t)tid * private_floats;
         float *x = mine, *normed = x + M * H, *act = normed + M * H, *scores = act + M * I;
-        float *xd = mine + (private_floats - xd_floats - ps_floats), *ps = xd + xd_floats;
-        (void)xd, (void)ps;
+        float *xd = mine + (private_floats - xd_floats - ps_floats - xp_floats), *ps = xd + xd_floats;
+        uint32_t *xp = (uint32_t *)(ps + ps_floats);
+        (void)xd, (void)ps, (void)xp;
         memcpy(x, hidden, (size_t)(M * H) * sizeof(float));
 /* projection NAME of layer L: y[M][N] = x[M][K] . W.T (+ bias), by the weights' kind */
 #ifdef __AVX512F__
-#define PROJECT_BF16(X, K, NAME, BIAS, Y, N) if (bf16) project_panels_bf16(X, M, K, (const uint16_t *)L->NAME, BIAS, Y, N); else
+#define PROJECT_BF16(X, K, NAME, BIAS, Y, N) if (bf16) project_panels_bf16(X, M, K, (const uint16_t *)L->NAME, BIAS, Y, N, xp); else
 #else
 #define PROJECT_BF16(X, K, NAME, BIAS, Y, N)
 #endif

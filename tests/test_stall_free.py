@@ -162,11 +162,34 @@ def test_a_deep_queue_widens_the_auto_target_up_to_max_num_seqs():
         scheduler = _scheduler("auto", max_seqs=max_seqs)
         _decoding(scheduler, *[_seq(f"d{i}", 50) for i in range(4)])
         for i in range(waiting):
-            scheduler.add(_seq(f"w{i}", 300))
+            scheduler.add(_seq(f"w{i}", 5000))  # longer than the token budget: never a burst
         return scheduler.schedule().num_new_tokens[4]
 
     assert first_chunk(1, 64) < first_chunk(20, 64) < first_chunk(50, 64)
     assert first_chunk(20, 8) == first_chunk(50, 8)  # only max_num_seqs can ever decode together
+
+
+def test_a_wave_of_short_prompts_is_a_burst_that_takes_the_whole_budget():
+    """As many short prompts waiting as half the decoding streams: the step takes the whole token budget (the
+    wave's first tokens come at prefill speed); fewer, or prompts longer than the budget, or a fixed target:
+    chunked to the target as before."""
+    def step(decoding: int, waiting: int, length: int = 128, itl="auto", budget: int = 4096):
+        scheduler = _scheduler(itl, budget=budget)
+        _decoding(scheduler, *[_seq(f"d{i}", 128) for i in range(decoding)])
+        for i in range(waiting):
+            scheduler.add(_seq(f"w{i}", length))
+        batch = scheduler.schedule()
+        return sum(batch.num_new_tokens[decoding:]), scheduler.step_budget
+
+    prefill, budget = step(16, 8)
+    assert prefill == 8 * 128 and budget.num_bursts == 1  # the whole wave in one step
+    prefill, budget = step(16, 7)
+    assert prefill < 7 * 128 and budget.num_bursts == 0  # below half the decoding streams: chunked
+    assert step(16, 24, budget=2048)[0] == 2048 - 16  # a burst is still bounded by the token budget (with the decodes)
+    prefill, budget = step(16, 8, length=5000)
+    assert prefill < 4096 and budget.num_bursts == 0  # long prompts: a document, not a wave
+    prefill, budget = step(16, 8, itl=20.0)
+    assert prefill < 8 * 128 and budget.num_bursts == 0  # a fixed target never bursts
 
 
 def test_without_decodes_or_target_prefills_take_the_whole_budget():

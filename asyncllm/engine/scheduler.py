@@ -33,6 +33,7 @@ any sequence out (finish, abort, preemption) costs O(1) however many there are.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -240,7 +241,23 @@ class Scheduler:
         if pending_rows > room:  # only max_num_seqs can decode at once
             pending_context = pending_context * room // pending_rows
             pending_rows = room
-        return self.step_budget.allowance(tokens, len(batch), decode_context, pending_rows, pending_context)
+        burst_rows = self._burst_rows(prefilling, self.step_budget.burst_threshold(len(batch)), room)
+        return self.step_budget.allowance(tokens, len(batch), decode_context, pending_rows, pending_context,
+                                          burst_rows)
+
+    def _burst_rows(self, prefilling: list[Sequence], threshold: int | None, room: int) -> int:
+        """Prompts still to compute that fit one token budget, running prefills first, then the queue, up to
+        ``threshold`` (counting stops there: the queue may be long) and the seats left."""
+        if threshold is None:
+            return 0
+        limit = min(threshold, room)
+        count = 0
+        for seq in itertools.chain(prefilling, self.waiting):
+            if count >= limit:
+                break
+            if seq.num_tokens - seq.num_computed_tokens <= self.max_num_batched_tokens:
+                count += 1
+        return count
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> tuple[bool, list[Sequence]]:
         """Every running sequence one token from its next sample, within the token budget (one pass

@@ -58,15 +58,25 @@ def distributed_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (fastest there without bf16 matmul units); the checkpoint's
-    dtype on CUDA, with float32 checkpoints run in bfloat16."""
+def stored_dtype(hf_config) -> torch.dtype | None:
+    """The dtype a checkpoint's config says its weights are stored in, or None where it names none we know."""
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return DTYPES.get(str(stored).replace("torch.", "")) if stored is not None else None
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device, native_bf16_cpu: bool = False) -> torch.dtype:
+    """``auto`` on CUDA: the checkpoint's dtype, with float32 checkpoints run in bfloat16. On CPU: bfloat16
+    for a checkpoint stored in 16 bits (bfloat16 or float16, not quantized) where ``native_bf16_cpu`` (the
+    CPU multiplies bf16 natively and the bf16 panel path runs here, :func:`decide_platform`), as vLLM's CPU
+    build does; else float32, which keeps float32 checkpoints exact (the oracle of the tests)."""
     if name != "auto":
         return DTYPES[name]
+    stored = stored_dtype(hf_config)
     if device.type == "cpu":
-        return torch.float32
-    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    stored = DTYPES.get(str(stored).replace("torch.", ""), torch.bfloat16)
+        quantized = getattr(hf_config, "quantization_config", None) is not None
+        sixteen_bits = stored in (torch.bfloat16, torch.float16)
+        return torch.bfloat16 if native_bf16_cpu and sixteen_bits and not quantized else torch.float32
+    stored = stored or torch.bfloat16
     return torch.bfloat16 if stored == torch.float32 else stored
 
 
@@ -101,10 +111,12 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
     from .kernels.triton_utils import interpreting
 
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, hf_config, device)
     # The CPU fast path (packed oneDNN weights, C kernels, fused greedy sampling) unless the torch
     # reference was asked for: attention_backend="torch" stays plain torch, the tests' oracle.
     cpu_fast_path = device.type == "cpu" and config.attention_backend != "torch"
+    native_bf16 = (cpu_fast_path and config.dtype == "auto" and config.attention_backend in ("auto", "cpu")
+                   and _bf16_dot_products_here())
+    dtype = resolve_dtype(config.dtype, hf_config, device, native_bf16)
     bf16_weights = (cpu_fast_path and dtype == torch.bfloat16 and config.attention_backend in ("auto", "cpu")
                     and _bf16_panels_here())
     if bf16_weights:  # bf16 weights, float32 arithmetic: the decode stack's bf16 panels (kernels/cpu_decode_stack.py)
@@ -127,6 +139,13 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
         distributed_backend=distributed_backend(device),
         bf16_weights=bf16_weights and backend == "cpu",
     )
+
+
+def _bf16_dot_products_here() -> bool:
+    """Whether the bf16 panel path runs here and multiplies with bf16 dot products (AVX512-BF16 builds)."""
+    from .kernels.cpu_decode_stack import bf16_dot_rows
+
+    return _bf16_panels_here() and bf16_dot_rows() > 0
 
 
 def _bf16_panels_here() -> bool:

@@ -156,3 +156,40 @@ def test_many_row_decode_steps_in_bf16_dot_products_stay_close_to_float32(model_
             for i, token in enumerate(out.outputs[0].token_ids[1:], start=1):  # the decode steps' tokens
                 diffs.append(abs(out.outputs[0].logprobs[i][token] - float(ref[len(prompt) - 1 + i, token])))
     assert sum(diffs) / len(diffs) < 0.25 and max(diffs) < 2.0, (sum(diffs) / len(diffs), max(diffs))
+
+
+def _config(stored: str | None, quantized: bool = False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(dtype=stored, quantization_config={"quant_method": "gptq"} if quantized else None)
+
+
+def test_auto_dtype_on_cpu_picks_bfloat16_only_for_16_bit_checkpoints_where_bf16_is_native():
+    from asyncllm.platform import resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", _config("bfloat16"), cpu, native_bf16_cpu=True) == torch.bfloat16
+    assert resolve_dtype("auto", _config("float16"), cpu, native_bf16_cpu=True) == torch.bfloat16
+    assert resolve_dtype("auto", _config("float32"), cpu, native_bf16_cpu=True) == torch.float32  # kept exact
+    assert resolve_dtype("auto", _config(None), cpu, native_bf16_cpu=True) == torch.float32
+    assert resolve_dtype("auto", _config("float16", quantized=True), cpu, native_bf16_cpu=True) == torch.float32
+    assert resolve_dtype("auto", _config("bfloat16"), cpu, native_bf16_cpu=False) == torch.float32
+    assert resolve_dtype("float32", _config("bfloat16"), cpu, native_bf16_cpu=True) == torch.float32
+
+
+def test_a_bfloat16_checkpoint_loads_as_bf16_weights_by_default_where_native(model_dirs, tmp_path):
+    """A checkpoint saved in bfloat16 with dtype left "auto": on AVX512-BF16 builds the bf16 panel path (as
+    dtype="bfloat16" would), elsewhere float32; the torch reference and a float32 checkpoint stay float32."""
+    import json
+    import shutil
+
+    source = model_dirs["llama"]
+    half = tmp_path / "llama-bf16"
+    shutil.copytree(source, half)
+    model = load_reference_model(source).to(torch.bfloat16)
+    model.save_pretrained(half)
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    runner = LLM(str(half)).engine.runner
+    assert runner.bf16_weights == bool(bf16_dot_rows()) and runner.dtype == torch.float32
+    assert not LLM(str(half), attention_backend="torch").engine.runner.bf16_weights
+    assert not LLM(str(source)).engine.runner.bf16_weights

@@ -11,6 +11,10 @@ made once in ``--work-dir``) is
   groups: 576 = 9 x 64), the other tensors float32;
 - converted to a float32 GGUF, then ``llama-quantize``d to Q4_0 and Q4_K_M.
 
+asyncllm runs each checkpoint twice: ``dtype="float32"`` (``asyncllm-gptq4``, ``asyncllm-awq4``) and
+``dtype="bfloat16"`` (``...-bf16``: the 4-bit projections as stored, the float LM head and its tied table read as
+bf16 panels, as llama.cpp's files quantize theirs).
+
 Workload and timing are W-REAL's: B requests of ``--prompt-len`` random token ids and ``--gen-len`` greedy tokens
 (ignore_eos), wall time from submission to the last token, the median of ``--repeats`` after a warm-up. Memory:
 the bytes the loaded model holds (its parameters and buffers) against the checkpoint's tensor bytes, and the
@@ -32,8 +36,12 @@ from benchmarks.common import machine_info
 from benchmarks.measure import utc_now, write_report
 
 GPTQ, AWQ = "asyncllm-gptq4", "asyncllm-awq4"
+# the same checkpoints with dtype="bfloat16": the float LM head (SmolLM2's tied table) read as bf16 panels
+GPTQ_BF16, AWQ_BF16 = "asyncllm-gptq4-bf16", "asyncllm-awq4-bf16"
 Q4_0, Q4_K_M = "llamacpp-q4_0", "llamacpp-q4_k_m"
-ENGINES = (GPTQ, AWQ, Q4_0, Q4_K_M)
+ENGINES = (GPTQ, AWQ, GPTQ_BF16, AWQ_BF16, Q4_0, Q4_K_M)
+ASYNCLLM = {GPTQ: (GPTQ, "float32"), AWQ: (AWQ, "float32"), GPTQ_BF16: (GPTQ, "bfloat16"),
+            AWQ_BF16: (AWQ, "bfloat16")}  # engine: (its checkpoint, its dtype)
 QUANT_TYPES = {Q4_0: "Q4_0", Q4_K_M: "Q4_K_M"}
 TARGETS = {"batch_1": 1.0, "batch_32": 1.3, "memory": 1.3}  # vs llama.cpp Q4_0; resident / checkpoint bytes
 
@@ -146,14 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         entry = w_real._entry(engine)
         results[engine] = entry
         try:
-            if engine in (GPTQ, AWQ):
-                model_dir = ensure_quantized(hf_dir, args.work_dir, engine)
-                entry["model"] = model_dir.name
+            if engine in ASYNCLLM:
+                checkpoint, dtype = ASYNCLLM[engine]
+                model_dir = ensure_quantized(hf_dir, args.work_dir, checkpoint)
+                entry["model"], entry["dtype"] = model_dir.name, dtype
                 entry["checkpoint_bytes"] = checkpoint_bytes(model_dir)
                 holder: dict[str, Any] = {}
 
-                def factory(model_dir=model_dir, holder=holder):
-                    run, llm = w_real.make_asyncllm(str(model_dir), llm_kwargs)
+                def factory(model_dir=model_dir, holder=holder, dtype=dtype):
+                    run, llm = w_real.make_asyncllm(str(model_dir), {**llm_kwargs, "dtype": dtype})
                     holder["model_bytes"] = model_bytes(llm)
                     return run, llm
 
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - the other engines still run
             w_real._fail(entry, e)
     comparisons = {}
-    for engine in (GPTQ, AWQ):
+    for engine in ASYNCLLM:
         for peer in (Q4_0, Q4_K_M):
             for b in args.batches:
                 mine = results.get(engine, {}).get("batches", {}).get(str(b))

@@ -155,3 +155,31 @@ def test_a_float_checkpoint_runs_as_fp8_with_quantization_fp8(source, tmp_path):
         assert all(m.weight.dtype == torch.float8_e4m3fn for m in _projections(llm))
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert expected != reference_greedy(source, PROMPTS, NEW_TOKENS)  # the rounding shows in the output
+
+
+def test_dtype_bfloat16_holds_a_quantized_checkpoints_lm_head_as_bf16_panels(source, tmp_path):
+    """dtype="bfloat16" on a 4-bit checkpoint: the projections stay 4-bit, the float LM head (and a tied table) is
+    read as bf16 panels; small steps multiply in float32, so greedy output equals transformers on the dequantized
+    weights with the head rounded to bf16, token for token."""
+    from asyncllm.kernels.cpu_decode_stack import panels_supported
+    from asyncllm.kernels.cpu_panel_linear import PanelLinear
+    from checkpoints import load_reference_model
+
+    quantized = qc.write_gptq(source, tmp_path / "q", dst_dequant=tmp_path / "twin", bits=4, group_size=32, sym=True)
+    reference = load_reference_model(tmp_path / "twin")
+    with torch.no_grad():
+        reference.lm_head.weight.copy_(reference.lm_head.weight.to(torch.bfloat16))  # the tied table with it
+    expected = reference_greedy(tmp_path / "twin", PROMPTS, NEW_TOKENS, model=reference)
+    with LLM(str(quantized), dtype="bfloat16", block_size=4) as llm:
+        runner = llm.engine.runner
+        assert {type(m) for m in _projections(llm)} == {GroupQuantLinear}
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    if panels_supported():
+        assert runner.bf16_head and not runner.bf16_weights
+        head = runner.model.lm_head
+        assert isinstance(head, PanelLinear) and head.panels.dtype == torch.bfloat16
+        assert torch.equal(head.weight, reference.lm_head.weight)  # the head rounded to bf16, nothing else
+        assert not torch.equal(head.weight, load_reference_model(tmp_path / "twin").lm_head.weight)
+        assert got == expected
+    else:  # no AVX-512 build: no panels, the float32 head as before
+        assert not runner.bf16_weights

@@ -104,6 +104,11 @@ class ModelRunner:
                              and self.weight_format.checkpoint is None)
         if self.bf16_weights:
             _round_to_bf16(self.model)
+        # dtype="bfloat16" on a quantized checkpoint: its projections stay as stored, and the float LM head (with
+        # a tied table) is read as bf16 panels: half the bytes of the largest float matmul of a decode step
+        self.bf16_head = self.bf16_weights or (
+            self.platform.bf16_weights and config.dtype == "bfloat16" and self.architecture.native
+            and self.weight_format.checkpoint is not None and not self.weight_format.int8)
         self.num_blocks = self._agree_num_blocks(config, max_model_len)
         # every running sequence's block table, kept across steps (engine/block_tables.py)
         self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
@@ -229,7 +234,10 @@ class ModelRunner:
             return
         tied = self.shape.tie_word_embeddings
         head = self.model.model.embed_tokens.weight if tied else self.model.lm_head.weight
-        panel_head = PanelLinear.build(head, bf16=self.bf16_weights)
+        panel_head = PanelLinear.build(head, bf16=self.bf16_head)
+        if panel_head is not None and self.bf16_head and not self.bf16_weights:
+            logger.info("dtype=bfloat16 on a quantized checkpoint: the LM head%s held as bf16 panels",
+                        " and the tied embedding table" if tied else "")
         if panel_head is not None:
             self.model.lm_head = panel_head  # not an nn.Linear: packing leaves it alone
             if tied and not self.tp.enabled:  # the table is read from the head's panels: held once, not twice

@@ -170,9 +170,9 @@ def test_a_deep_queue_widens_the_auto_target_up_to_max_num_seqs():
 
 
 def test_a_wave_of_short_prompts_is_a_burst_that_takes_the_whole_budget():
-    """As many short prompts waiting as half the decoding streams: the step takes the whole token budget (the
-    wave's first tokens come at prefill speed); fewer, or prompts longer than the budget, or a fixed target:
-    chunked to the target as before."""
+    """As many short prompts waiting as half the decoding streams, and at least BURST_MIN_ROWS: the step takes the
+    whole token budget (the wave's first tokens come at prefill speed); fewer, or prompts longer than the budget,
+    or a fixed target: chunked to the target as before."""
     def step(decoding: int, waiting: int, length: int = 128, itl="auto", budget: int = 4096):
         scheduler = _scheduler(itl, budget=budget)
         _decoding(scheduler, *[_seq(f"d{i}", 128) for i in range(decoding)])
@@ -190,6 +190,8 @@ def test_a_wave_of_short_prompts_is_a_burst_that_takes_the_whole_budget():
     assert prefill < 4096 and budget.num_bursts == 0  # long prompts: a document, not a wave
     prefill, budget = step(16, 8, itl=20.0)
     assert prefill < 8 * 128 and budget.num_bursts == 0  # a fixed target never bursts
+    for decoding, waiting, bursts in ((1, 1, 0), (2, 3, 0), (2, 4, 1)):  # a wave is at least BURST_MIN_ROWS
+        assert step(decoding, waiting)[1].num_bursts == bursts, (decoding, waiting)
 
 
 def test_without_decodes_or_target_prefills_take_the_whole_budget():

@@ -20,7 +20,8 @@ head of the queue advances every step: no prompt starves, however busy the decod
 A step without decodes has no stream to protect and takes the whole token budget.
 
 A burst (``max_itl_ms="auto"`` only): when the prompts waiting to start that fit one token budget each are at
-least ``BURST_RATIO`` times as many as the streams decoding, the step takes the whole token budget too. This
+least ``BURST_RATIO`` times as many as the streams decoding, and at least ``BURST_MIN_ROWS``, the step takes the
+whole token budget too. A lone prompt joining a few streams is no wave and is chunked as before. This
 is a wave of chat requests arriving together (closed-loop clients whose requests ended together, a page
 load fanning out): chunking it to the decodes' target would make every waiting prompt's first token wait
 several times its prefill, to spare the few streams already running one long gap each. Such a stream sees
@@ -38,6 +39,7 @@ from .step_time import StepTimeModel
 AUTO_ITL_FACTOR = 3.0
 MIN_PREFILL_TOKENS = 32
 BURST_RATIO = 0.5  # burst rows per decoding row that make a step a burst (see above)
+BURST_MIN_ROWS = 4  # and never fewer than this many
 
 
 class PrefillAllowance:
@@ -88,7 +90,7 @@ class StepBudget:
         ``decode_rows`` decodes a burst, or None where this target never bursts (a fixed one)."""
         if self.fixed_seconds is not None or decode_rows == 0:
             return None
-        return max(1, math.ceil(decode_rows * BURST_RATIO))
+        return max(BURST_MIN_ROWS, math.ceil(decode_rows * BURST_RATIO))
 
     def target_seconds(self, rows: int, context: int) -> float:
         """The step time the prefills may fill up to, for a load of ``rows`` sequences holding

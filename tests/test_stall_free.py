@@ -287,6 +287,27 @@ def test_greedy_output_is_unchanged_by_small_prefill_chunks(llama_dir):
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+def test_a_wave_arriving_while_a_stream_decodes_is_one_burst_and_counted(llama_dir):
+    """AsyncLLM (auto target): six short prompts submitted together while one stream decodes take the whole token
+    budget in one step (stats and the scheduler agree), and every stream still gets its tokens."""
+    async def main():
+        async with AsyncLLM(str(llama_dir), dtype="float32") as allm:
+            shapes = _recording_batches(allm.engine)
+            params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+            agen = allm.stream_outputs([5, 6, 7], params)
+            first = await agen.__anext__()  # decoding now
+            wave = [allm.generate([10 + i] * 20, temperature=0, max_tokens=4, ignore_eos=True) for i in range(6)]
+            outs = await asyncio.gather(*wave)
+            rest = [delta async for delta in agen]
+            tokens = sum(len(d.outputs[0].token_ids) for d in [first, *rest])
+            return tokens, outs, allm.stats(), allm.engine.scheduler.step_budget.num_bursts, shapes
+
+    tokens, outs, stats, bursts, shapes = asyncio.run(main())
+    assert tokens == 48 and all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert stats["num_prefill_bursts"] == bursts >= 1
+    assert any(shape[0] == 1 and shape[1:] == [20] * 6 for shape in shapes)  # the decode beside the whole wave
+
+
 def test_throughput_mode_is_the_llm_default_and_auto_the_async_default(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32")
     assert llm.engine.scheduler.step_budget is None and not llm.engine.step_time.calibrated

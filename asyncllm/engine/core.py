@@ -208,6 +208,7 @@ class EngineCore:
             "prefix_cache_hits": self.kv.prefix_hits,
             "loras_in_use": len(self.scheduler.loras_in_use()),
             "itl_target_ms": self._itl_target_ms(),
+            "num_prefill_bursts": self.scheduler.step_budget.num_bursts if self.scheduler.step_budget else 0,
             "spec_num_drafts": self.spec_stats.num_drafts,
             "spec_draft_tokens": self.spec_stats.num_draft_tokens,
             "spec_accepted_tokens": self.spec_stats.num_accepted_tokens,

@@ -65,6 +65,8 @@ class _EngineCollector(Collector):
                           1 + accepted / drafts if drafts else 0.0)
         yield self._gauge("itl_target_seconds", "Inter-token latency target of the latest step with decodes "
                           "(the stall-free policy; 0 without one).", stats.get("itl_target_ms", 0) / 1000)
+        yield self._counter("prefill_bursts", "Steps with decodes that took the whole token budget for a wave of "
+                            "short prompts (the stall-free policy's bursts).", stats.get("num_prefill_bursts", 0))
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"asyncllm:{name}", doc, labels=["model_name"])

@@ -34,8 +34,9 @@ class Platform:
     cuda_graphs: bool             # decode steps replayed as CUDA graphs
     default_token_budget: int     # max_num_batched_tokens when the engine arguments leave it unset
     distributed_backend: str      # torch.distributed backend for tensor parallelism: "nccl" or "gloo"
-    # CPU, dtype="bfloat16" on an AVX-512 build: the weights rounded to bf16 and read as bf16 panels by the
-    # decode stack and the LM head, float32 activations and KV cache (``dtype`` is then float32; docs/cpu.md)
+    # CPU, dtype="bfloat16" on an AVX-512 build: the weights rounded to bf16 and read as paired bf16 panels by the
+    # decode stack and the LM head (bf16 dot products from 8 rows on AVX512-BF16), float32 activations between the
+    # projections and a float32 KV cache (``dtype`` is then float32; docs/cpu.md)
     bf16_weights: bool = False
 
     @property
@@ -119,7 +120,7 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
     dtype = resolve_dtype(config.dtype, hf_config, device, native_bf16)
     bf16_weights = (cpu_fast_path and dtype == torch.bfloat16 and config.attention_backend in ("auto", "cpu")
                     and _bf16_panels_here())
-    if bf16_weights:  # bf16 weights, float32 arithmetic: the decode stack's bf16 panels (kernels/cpu_decode_stack.py)
+    if bf16_weights:  # bf16 weights, float32 activations: the decode stack's bf16 panels (kernels/cpu_decode_stack.py)
         dtype = torch.float32
     backend = resolve_attention_backend(config.attention_backend, device, dtype)
     # Tensor parallelism sums partial outputs between layers: no single call may run them all

@@ -99,7 +99,7 @@ class ModelRunner:
             self._load_native(config, hf_config, source, max_model_len)
         else:
             self._load_through_transformers(config, hf_config, source, max_model_len)
-        # dtype="bfloat16" on CPU (Platform.bf16_weights): float32 arithmetic on bf16-rounded weights, read as bf16
+        # dtype="bfloat16" on CPU (Platform.bf16_weights): bf16-rounded weights, read as bf16 panels (docs/cpu.md)
         self.bf16_weights = (self.platform.bf16_weights and self.architecture.native and not self.weight_format.int8
                              and self.weight_format.checkpoint is None)
         if self.bf16_weights:

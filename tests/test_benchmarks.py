@@ -386,6 +386,24 @@ def test_w_int4_counts_checkpoint_and_model_bytes(model_dir_factory, tmp_path, c
     assert "asyncllm-gptq4/llamacpp-q4_0@1: 0.50x" in capsys.readouterr().out
 
 
+def test_bf16_agreement_tiny_run(model_dir_factory, tmp_path, capsys):
+    """The bf16 agreement report at toy size: asyncllm float32 equals transformers float32 on every prompt (the
+    exact path), each pair's figures are consistent, and the report is written."""
+    from benchmarks import bf16_agreement
+
+    out = tmp_path / "bf16_agreement.json"
+    assert bf16_agreement.main(["--model-dir", str(model_dir_factory("llama")), "--prompts", "3", "--prompt-len", "8",
+                                "--new-tokens", "5", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    exact = report["pairs"]["asyncllm-f32 / transformers-f32"]
+    assert exact["prompts_identical"] == 3 and exact["same_tokens_before_first_difference"] == 1.0
+    for figures in report["pairs"].values():
+        assert figures["prompts"] == 3 and all(0 <= n <= 5 for n in figures["common_prefixes"])
+        assert figures["prompts_identical"] == sum(n == 5 for n in figures["common_prefixes"])
+    assert all(len(o) == 3 and all(len(t) == 5 for t in o) for o in report["outputs"].values())
+    assert "asyncllm-bf16 / transformers-bf16" in capsys.readouterr().out
+
+
 def test_w_moe_tiny_run(tmp_path, capsys):
     """W-MOE end to end at toy size: asyncllm and transformers on the MoE model, the dense model's step."""
     from benchmarks import w_moe

@@ -194,6 +194,28 @@ def test_a_wave_of_short_prompts_is_a_burst_that_takes_the_whole_budget():
         assert step(decoding, waiting)[1].num_bursts == bursts, (decoding, waiting)
 
 
+def test_a_burst_goes_on_until_its_wave_is_in_and_no_further():
+    """A wave larger than one step's budget: the next step bursts too although the prompts left are too few to
+    start a burst, and once the wave is in, a lone newcomer is chunked as before."""
+    scheduler = _scheduler("auto", budget=16 + 4 * 128 + 50)
+    _decoding(scheduler, *[_seq(f"d{i}", 128) for i in range(16)])
+    wave = [_seq(f"w{i}", 128) for i in range(8)]
+    for seq in wave:
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert sum(first.num_new_tokens[16:]) == 4 * 128 + 50 and scheduler.step_budget.num_bursts == 1
+    _advance(first)
+    second = scheduler.schedule()  # 20 decoding, 4 of the wave left: under the threshold of 10 alone
+    assert scheduler.step_budget.burst_threshold(20) > 4
+    assert scheduler.step_budget.num_bursts == 2 and sum(second.num_new_tokens[20:]) == 3 * 128 + 78
+    _advance(second)
+    late = _seq("late", 500)  # within the budget, but alone
+    scheduler.add(late)
+    third = scheduler.schedule()
+    assert third.seqs[-1] is late and scheduler.step_budget.num_bursts == 2
+    assert third.num_new_tokens[-1] < 500 - 16 - 24  # chunked to the target: no wave now
+
+
 def test_without_decodes_or_target_prefills_take_the_whole_budget():
     for itl in (20.0, None):
         scheduler = _scheduler(itl, budget=512)

@@ -162,6 +162,9 @@ class Scheduler:
         self.step_budget = step_budget  # None: prefills take whatever token budget the decodes leave
         self.waiting = WaitingQueue()   # preempted ones first within their priority
         self.running: dict[Sequence, None] = {}   # admission order
+        # the short prompts that were pending when the latest burst began (engine/step_budget.py): the steps
+        # after it burst too until all of them are in, so a wave is never cut into a burst and a tail of chunks
+        self._burst_wave: list[Sequence] = []
         self.num_reserved = 0  # seats held for children of running leaders, forked after their prefill
         self.num_preemptions = 0
         self._preempted_this_step: set[Sequence] = set()
@@ -241,9 +244,26 @@ class Scheduler:
         if pending_rows > room:  # only max_num_seqs can decode at once
             pending_context = pending_context * room // pending_rows
             pending_rows = room
-        burst_rows = self._burst_rows(prefilling, self.step_budget.burst_threshold(len(batch)), room)
-        return self.step_budget.allowance(tokens, len(batch), decode_context, pending_rows, pending_context,
-                                          burst_rows)
+        threshold = self.step_budget.burst_threshold(len(batch))
+        self._burst_wave = [seq for seq in self._burst_wave if self._still_prefilling(seq)]
+        if threshold is not None and self._burst_wave:
+            burst_rows = threshold  # the wave a burst began goes on until it is in
+        else:
+            burst_rows = self._burst_rows(prefilling, threshold, room)
+        bursts = self.step_budget.num_bursts
+        allowance = self.step_budget.allowance(tokens, len(batch), decode_context, pending_rows, pending_context,
+                                               burst_rows)
+        if self.step_budget.num_bursts > bursts and not self._burst_wave:  # a new burst: its wave is what waits
+            self._burst_wave = [seq for seq in itertools.islice(itertools.chain(prefilling, self.waiting), room)
+                                if seq.num_tokens - seq.num_computed_tokens <= self.max_num_batched_tokens]
+        return allowance
+
+    def _still_prefilling(self, seq: Sequence) -> bool:
+        """Whether ``seq`` still has prompt tokens to compute (waiting, or running with more than its next token);
+        finished and aborted sequences are neither."""
+        if seq in self.waiting:
+            return True
+        return seq in self.running and seq.num_tokens - seq.num_computed_tokens > 1
 
     def _burst_rows(self, prefilling: list[Sequence], threshold: int | None, room: int) -> int:
         """Prompts still to compute that fit one token budget, running prefills first, then the queue, up to

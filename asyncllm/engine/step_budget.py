@@ -21,7 +21,8 @@ A step without decodes has no stream to protect and takes the whole token budget
 
 A burst (``max_itl_ms="auto"`` only): when the prompts waiting to start that fit one token budget each are at
 least ``BURST_RATIO`` times as many as the streams decoding, and at least ``BURST_MIN_ROWS``, the step takes the
-whole token budget too. A lone prompt joining a few streams is no wave and is chunked as before. This
+whole token budget too. A lone prompt joining a few streams is no wave and is chunked as before. The scheduler
+keeps bursting until the prompts that waited when the burst began are all in (``Scheduler._burst_wave``). This
 is a wave of chat requests arriving together (closed-loop clients whose requests ended together, a page
 load fanning out): chunking it to the decodes' target would make every waiting prompt's first token wait
 several times its prefill, to spare the few streams already running one long gap each. Such a stream sees

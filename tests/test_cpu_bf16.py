@@ -84,6 +84,8 @@ def test_prefill_in_bf16_stays_close_to_float32_on_rounded_weights(model_dirs, k
     packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
     native = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
     assert packed and all(m.compute_dtype == (torch.bfloat16 if native else None) for m in packed)
+    # with native bf16 matmuls the MLPs keep their activations bf16 from gate_up to down (model/mlp.py)
+    assert all(layer.mlp._bf16_matmuls() == native for layer in llm.engine.runner.model.model.layers)
 
 
 def test_the_torch_reference_stays_plain_bfloat16(model_dirs):

@@ -31,6 +31,30 @@ def test_packed_linear_equals_linear(rows, bias):
     assert torch.equal(packed.weight, linear.weight.detach())
 
 
+@pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16), reason="no native bf16 oneDNN here")
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_as_takes_and_returns_bf16_without_changing_the_sums(bias):
+    """A bf16 compute dtype: ``forward_as`` reads float32 or bf16 inputs and hands back the asked dtype; the same
+    matmul either way (the input rounded once, the output rounded by oneDNN to bf16), the bias added in the output
+    dtype."""
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(64, 96, bias=bias)
+    packed = PackedLinear.from_linear(linear, torch.bfloat16)
+    x = torch.randn(40, 64)
+    with torch.inference_mode():
+        f32 = packed(x)
+        assert f32.dtype == torch.float32
+        from_bf16 = packed.forward_as(x.to(torch.bfloat16), torch.float32)
+        torch.testing.assert_close(from_bf16, f32, rtol=0, atol=0)
+        low = packed.forward_as(x, torch.bfloat16)
+        assert low.dtype == torch.bfloat16
+        # oneDNN's bf16 matmul hands back bf16 either way: the float32 output is that result widened
+        if linear.bias is None:
+            torch.testing.assert_close(f32, low.float(), rtol=0, atol=0)
+        rounded = F.linear(x.to(torch.bfloat16).float(), linear.weight.to(torch.bfloat16).float(), linear.bias)
+        torch.testing.assert_close(f32, rounded, rtol=8e-3, atol=8e-3)  # within a bf16 rounding of the result
+
+
 def test_pack_linear_layers_replaces_every_linear_and_adds_extra_heads():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(16, 4)))
     embedding = torch.randn(32, 4)

@@ -55,6 +55,22 @@ def test_silu_and_mul_on_gate_up_halves(tokens, threads):
     torch.testing.assert_close(fused(ops.silu_and_mul, gate, up), ops.silu_and_mul(gate, up), **TOL)
 
 
+@pytest.mark.parametrize("tokens", [3, 300])
+def test_silu_and_mul_in_bf16_rounds_the_float32_result_once(tokens, threads):
+    """The bf16 prefill MLP's activation: bf16 halves in, float32 arithmetic, one round-to-nearest-even to bf16
+    out (bit for bit torch's float32 computation rounded), NaN and infinities kept."""
+    gate_up = (torch.randn(tokens, 2 * 1408) * 4).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38])
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = fused(ops.silu_and_mul, gate, up)
+    assert out.dtype == torch.bfloat16 and out.shape == gate.shape
+    expected = (torch.nn.functional.silu(gate.float()) * up.float()).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    # the torch reference in bf16 rounds twice (silu, then the product): never closer than one rounding
+    twice = ops.silu_and_mul(gate[1:], up[1:]).float()
+    assert (out[1:].float() - expected[1:].float()).abs().sum() <= (twice - expected[1:].float()).abs().sum()
+
+
 @pytest.mark.parametrize("tokens", [4, 600])
 def test_rotary_in_place_on_qkv_views(tokens, threads):
     heads, kv_heads, dim = 8, 2, 64

@@ -70,9 +70,18 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is not None:
-            out = self._matmul(x.to(self.compute_dtype), None).to(x.dtype)
-            return out if self.bias is None else out + self.bias
+            return self.forward_as(x, x.dtype)
         return self._matmul(x, self.bias)
+
+    def forward_as(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x @ W.T + b`` returned in ``dtype``, ``x`` in float32 or the compute dtype: with a bf16 compute dtype,
+        a bf16 input skips the rounding pass and a bf16 output the widening one (the bf16 prefill MLP keeps its
+        activations bf16 from gate_up to down, model/mlp.py)."""
+        compute = self.compute_dtype or self.dtype
+        out = self._matmul(x.to(compute), None if self.compute_dtype is not None else self.bias).to(dtype)
+        if self.compute_dtype is None or self.bias is None:
+            return out
+        return out + self.bias.to(dtype)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else None

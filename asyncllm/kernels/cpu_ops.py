@@ -1,5 +1,5 @@
 """ctypes bindings of the CPU kernels in ``csrc/elementwise.c``, ``csrc/sampling.c`` and ``csrc/lora.c``
-(float32 only).
+(float32, and bfloat16 for the SiLU-and-multiply of bf16 prefill MLPs).
 
 Callers go through :mod:`asyncllm.kernels.ops`, which only sends float32 CPU tensors here and only
 for engines on the ``cpu`` attention backend; these functions check their inputs anyway.
@@ -17,6 +17,7 @@ _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 _ELEMENTWISE = (
     ("rms_norm_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int), None),
     ("silu_and_mul_f32", (_ptr, _ptr, _i64, _ptr, _i64, _i64, _int), None),
+    ("silu_and_mul_bf16", (_ptr, _ptr, _i64, _ptr, _i64, _i64, _int), None),
     ("rotary_f32", (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int), _int),
 )
 _SAMPLING = (("greedy_pick_f32", (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int), _int),)
@@ -114,14 +115,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for [rows, cols] halves of one fused gate_up tensor (or any two same-stride tensors)."""
-    _check("gate", gate)
-    _check("up", up)
+    """silu(gate) * up for [rows, cols] halves of one fused gate_up tensor (or any two same-stride tensors),
+    float32 or bfloat16 (computed in float32, rounded once to bf16: the output has the inputs' dtype)."""
+    if gate.dtype == torch.bfloat16 and up.dtype == torch.bfloat16 and gate.device.type == "cpu":
+        if gate.stride(-1) != 1 or up.stride(-1) != 1:
+            raise ValueError("gate and up must have a contiguous last dimension")
+        kernel = _library().silu_and_mul_bf16
+    else:
+        _check("gate", gate)
+        _check("up", up)
+        kernel = _library().silu_and_mul_f32
     if gate.dim() != 2 or gate.shape != up.shape or gate.stride(0) != up.stride(0):
         raise ValueError("gate and up must be 2-d tensors of one shape and row stride")
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    _library().silu_and_mul_f32(gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), gate.shape[0],
-                                gate.shape[1], torch.get_num_threads())
+    kernel(gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), gate.shape[0], gate.shape[1],
+           torch.get_num_threads())
     return out
 
 

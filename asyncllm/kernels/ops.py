@@ -5,7 +5,8 @@ enabled a kernel family for the current context:
 
 - :func:`triton_ops`: the Triton kernels, for tensors on CUDA (or on CPU under ``TRITON_INTERPRET=1``,
   which is how tests run them). The runner enables them for engines on the Triton backend.
-- :func:`cpu_ops`: the C kernels of ``csrc/elementwise.c``, for float32 CPU tensors. The runner
+- :func:`cpu_ops`: the C kernels of ``csrc/elementwise.c``, for float32 CPU tensors (and bf16 ones
+  where a kernel has a bf16 twin: SiLU-and-multiply). The runner
   enables them for engines on the ``cpu`` backend (so ``attention_backend="torch"`` stays pure torch).
 
 The choice is a ``ContextVar``, so two engines in one process never see each other's.
@@ -55,6 +56,11 @@ def use_cpu(x: torch.Tensor) -> bool:
     return _family.get() == _CPU and x.device.type == "cpu" and x.dtype == torch.float32
 
 
+def _cpu_bf16(x: torch.Tensor) -> bool:
+    """A bf16 CPU tensor under the C family (the bf16 prefill MLP: kernels with a bf16 twin take it)."""
+    return _family.get() == _CPU and x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32 (as transformers computes it), cast back, then scaled by ``weight``."""
     if use_triton(x):
@@ -94,7 +100,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         from .elementwise import silu_and_mul as fused
 
         return fused(gate, up)
-    if use_cpu(gate) and gate.dim() == 2:
+    if (use_cpu(gate) or _cpu_bf16(gate)) and gate.dim() == 2:
         from .cpu_ops import silu_and_mul as fused_cpu
 
         return fused_cpu(gate, up)

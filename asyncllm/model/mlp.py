@@ -33,8 +33,10 @@ class MLP(nn.Module):
         self.act_and_mul = _activation(shape.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         lora = self.lora if self.lora is not None and self.lora.groups else None
+        if lora is None and self._bf16_matmuls():
+            return self._forward_bf16(x)
+        gate_up = self.gate_up_proj(x)
         if lora:
             lora.apply(self.layer_index, "gate_up_proj", x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -43,3 +45,18 @@ class MLP(nn.Module):
         if lora:
             lora.apply(self.layer_index, "down_proj", hidden, out)
         return self.tp.all_reduce(out)
+
+    def _bf16_matmuls(self) -> bool:
+        """Both projections packed for oneDNN's bf16 matmuls (dtype="bfloat16" on CPU, kernels/cpu_linear.py)."""
+        return (getattr(self.gate_up_proj, "compute_dtype", None) == torch.bfloat16
+                and getattr(self.down_proj, "compute_dtype", None) == torch.bfloat16)
+
+    def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP with its activations bf16 from gate_up's output to down's input: gate_up hands back bf16, the
+        activation reads and writes bf16 (computing in float32), and down returns ``x``'s dtype. Against
+        widening to float32 in between, this drops two conversion passes over the widest tensors of the layer
+        (2 x intermediate, then intermediate wide) and halves the activation's memory traffic, with the same
+        numbers: oneDNN's bf16 matmul rounds its output to bf16 anyway, and down rounded its input to bf16."""
+        gate_up = self.gate_up_proj.forward_as(x, torch.bfloat16)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.tp.all_reduce(self.down_proj.forward_as(self.act_and_mul(gate, up), x.dtype))

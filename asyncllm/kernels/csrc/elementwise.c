@@ -57,6 +57,35 @@ void silu_and_mul_f32(const float *gate, const float *up, int64_t in_stride, flo
     }
 }
 
+/* bfloat16 <-> float32 by bits: a bf16 value is the top half of a float32 one; narrowing rounds to nearest
+ * even (NaN stays NaN: its payload's top bits are kept and the quiet bit set). */
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* The bf16 twin of silu_and_mul_f32 (prefill MLPs of dtype="bfloat16"): bf16 halves of gate_up in, float32
+ * arithmetic, one rounding to bf16 out, so the down projection reads bf16 without a conversion pass. */
+void silu_and_mul_bf16(const uint16_t *gate, const uint16_t *up, int64_t in_stride, uint16_t *out, int64_t rows,
+                       int64_t cols, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate + r * in_stride, *u = up + r * in_stride;
+        uint16_t *o = out + r * cols;
+#pragma omp simd
+        for (int64_t i = 0; i < cols; i++) {
+            const float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
 /* Rotate each head of x ([tokens, heads, head_dim], token stride given, heads contiguous) in place by
  * the angles of its token's position: tables are cat(freqs, freqs) rows of cos/sin per position
  * (positions already checked against the tables' length). */

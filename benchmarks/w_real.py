@@ -25,6 +25,8 @@ Engines:
   asyncllm-bf16       the same with ``dtype="bfloat16"`` (on AVX-512 CPUs: bf16-rounded weights read as bf16,
                       float32 arithmetic and KV cache; docs/cpu.md).
   asyncllm-q8_0       asyncllm on ``smollm2-q8_0.gguf`` (runs as int8: the weights llama.cpp's Q8_0 run uses).
+  asyncllm-q8_0-bf16  the same with ``dtype="bfloat16"``: int8 weights in memory, calls of 13+ rows multiplied in
+                      bf16 dot products (llama.cpp's Q8_0 rounds its activations to 8 bits; this rounds them to bf16).
   llamacpp-f32/-q8_0  ``llama-batched-bench -c CTX -b 2048 -ub 512 -npp P -ntg G -npl BATCHES -t THREADS
                       --output-format jsonl``; time = its ``t`` (prompt processing + generation, ``t_pp`` and
                       ``t_tg`` are kept). It feeds random tokens and computes logits without sampling.
@@ -80,12 +82,14 @@ LLAMACPP_TARGETS = ("llama-batched-bench", "llama-quantize")
 WARMUP_PROMPT_LEN, WARMUP_GEN_LEN = 16, 4
 
 ASYNCLLM_F32, ASYNCLLM_INT8, ASYNCLLM_Q8 = "asyncllm-f32", "asyncllm-int8", "asyncllm-q8_0"
-ASYNCLLM_BF16 = "asyncllm-bf16"
+ASYNCLLM_BF16, ASYNCLLM_Q8_BF16 = "asyncllm-bf16", "asyncllm-q8_0-bf16"
 LLAMACPP_F32, LLAMACPP_Q8 = "llamacpp-f32", "llamacpp-q8_0"
 TRANSFORMERS = "transformers"
-ENGINES = (ASYNCLLM_F32, ASYNCLLM_BF16, ASYNCLLM_INT8, ASYNCLLM_Q8, LLAMACPP_F32, LLAMACPP_Q8, TRANSFORMERS)
+ENGINES = (ASYNCLLM_F32, ASYNCLLM_BF16, ASYNCLLM_INT8, ASYNCLLM_Q8, ASYNCLLM_Q8_BF16, LLAMACPP_F32, LLAMACPP_Q8,
+           TRANSFORMERS)
 # (asyncllm engine, the peer it is held against): the ratios of the targets.
-COMPARISONS = ((ASYNCLLM_F32, LLAMACPP_F32), (ASYNCLLM_Q8, LLAMACPP_Q8), (ASYNCLLM_INT8, LLAMACPP_Q8),
+COMPARISONS = ((ASYNCLLM_F32, LLAMACPP_F32), (ASYNCLLM_Q8, LLAMACPP_Q8), (ASYNCLLM_Q8_BF16, LLAMACPP_Q8),
+               (ASYNCLLM_INT8, LLAMACPP_Q8),
                (ASYNCLLM_F32, TRANSFORMERS))
 
 # Sizes for the runner (python -m benchmarks): extra arguments per size.
@@ -711,7 +715,8 @@ def _prepare_files(args) -> tuple[str | None, dict[str, Path | None], Path | Non
     root = Path(args.llamacpp_dir).expanduser()
     tree = binary = None
     wants_llamacpp = any(e.startswith("llamacpp") for e in args.engines)
-    needs_tree = wants_llamacpp or (not args.model_dir and ASYNCLLM_Q8 in args.engines and not args.gguf_q8_0)
+    needs_tree = wants_llamacpp or (not args.model_dir and bool({ASYNCLLM_Q8, ASYNCLLM_Q8_BF16} & set(args.engines))
+                                    and not args.gguf_q8_0)
     if needs_tree:
         try:
             tree = find_llamacpp_tree(root) if root.is_dir() else None
@@ -746,7 +751,8 @@ def _prepare_files(args) -> tuple[str | None, dict[str, Path | None], Path | Non
         why["hf"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
         return None, ggufs, tree, binary, why
-    needed = {"f32": LLAMACPP_F32 in args.engines, "q8_0": bool({LLAMACPP_Q8, ASYNCLLM_Q8} & set(args.engines))}
+    needed = {"f32": LLAMACPP_F32 in args.engines,
+              "q8_0": bool({LLAMACPP_Q8, ASYNCLLM_Q8, ASYNCLLM_Q8_BF16} & set(args.engines))}
     for kind in ggufs:
         if ggufs[kind] is None and needed[kind]:
             try:
@@ -873,15 +879,14 @@ def _run_engines(args, hf_dir, ggufs, binary, why, vocab, llm_kwargs, first_outp
             extra = {"quantization": "int8"} if name == ASYNCLLM_INT8 else {"dtype": "bfloat16"}
             entry["llm_kwargs"] = kw = {**llm_kwargs, **extra}
             run_python_engine(entry, lambda: make_asyncllm(hf_dir, kw), args, vocab, first_outputs)
-        elif name == ASYNCLLM_Q8:
-            entry["llm_kwargs"] = llm_kwargs
+        elif name in (ASYNCLLM_Q8, ASYNCLLM_Q8_BF16):
+            entry["llm_kwargs"] = kw = {**llm_kwargs, **({"dtype": "bfloat16"} if name == ASYNCLLM_Q8_BF16 else {})}
             if ggufs["q8_0"] is None:
                 entry.update(status="skipped", reason=why.get("q8_0", "no Q8_0 GGUF"))
                 log(f"{name}: SKIPPED: {entry['reason']}")
                 continue
             entry["model"] = ggufs["q8_0"].name
-            run_python_engine(entry, lambda: make_asyncllm(str(ggufs["q8_0"]), llm_kwargs), args, vocab,
-                              first_outputs)
+            run_python_engine(entry, lambda: make_asyncllm(str(ggufs["q8_0"]), kw), args, vocab, first_outputs)
         elif name in (LLAMACPP_F32, LLAMACPP_Q8):
             kind = "f32" if name == LLAMACPP_F32 else "q8_0"
             entry["model"] = ggufs[kind].name if ggufs[kind] else None

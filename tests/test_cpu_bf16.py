@@ -195,3 +195,33 @@ def test_a_bfloat16_checkpoint_loads_as_bf16_weights_by_default_where_native(mod
     assert runner.bf16_weights == bool(bf16_dot_rows()) and runner.dtype == torch.float32
     assert not LLM(str(half), attention_backend="torch").engine.runner.bf16_weights
     assert not LLM(str(source)).engine.runner.bf16_weights
+
+
+@pytest.mark.skipif(not panels_supported(), reason="dtype='bfloat16' on CPU is the AVX-512 builds' path")
+def test_int8_weights_under_bfloat16_multiply_in_bf16_dot_products(model_dirs):
+    """dtype="bfloat16" on int8 weights: the weights stay int8, every int8 layer takes bf16 dot products for calls of
+    13+ rows where the build has them (prefill here), within a tolerance of the float32-activation int8 engine;
+    decode steps of a few rows keep the int8 decode stack."""
+    from asyncllm.kernels.int8_linear import Int8Linear, bf16_dot_available
+
+    model_dir = model_dirs["llama"]
+    prompts = random_prompts("bf16-int8", [5, 17, 40, 64])
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, prompt_logprobs=0)
+    exact = LLM(str(model_dir), quantization="int8")
+    expected = exact.generate(prompts, params)
+    fast = LLM(str(model_dir), quantization="int8", dtype="bfloat16")
+    layers = [m for m in fast.engine.runner.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.bf16_dot == bf16_dot_available() for m in layers)
+    assert not any(m.bf16_dot for m in exact.engine.runner.model.modules() if isinstance(m, Int8Linear))
+    assert fast.engine.runner.decode_stack is not None and fast.engine.runner.decode_stack.weights == "int8"
+    outputs = fast.generate(prompts, params)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    reference = [o.outputs[0].token_ids for o in expected]
+    assert [t[0] for t in tokens] == [e[0] for e in reference]
+    agree = sum(a == b for t, e in zip(tokens, reference) for a, b in zip(t, e)) / sum(map(len, reference))
+    assert agree >= 0.75, agree
+    diffs = [abs(out.prompt_logprobs[i][p[i]] - ref.prompt_logprobs[i][p[i]])
+             for out, ref, p in zip(outputs, expected, prompts) for i in range(1, len(p))]
+    assert sum(diffs) / len(diffs) < 0.25 and max(diffs) < 2.0, (sum(diffs) / len(diffs), max(diffs))
+    if bf16_dot_available():  # the 64-token prompt's prefill went through the bf16 products: not the same bits
+        assert any(d > 0 for d in diffs)

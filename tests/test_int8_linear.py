@@ -123,6 +123,32 @@ def test_c_kernel_matches_reference(n, k, group, bias):
 
 
 @needs_c_kernel
+@pytest.mark.skipif(not il.bf16_dot_available(), reason="no AVX512-BF16 build of the int8 kernel here")
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("n, k, group", SHAPES, ids=[f"{n}x{k}-g{g or 'chan'}" for n, k, g in SHAPES])
+def test_bf16_dot_products_equal_the_bf16_rounded_product(n, k, group, bias):
+    """``bf16_dot``: up to 12 rows the float32 kernel, bit for bit; from 13 rows (K and G multiples of 8) the
+    product of bf16-rounded activations and bf16-rounded dequantized weights, summed in float32 (other shapes:
+    the float32 kernel)."""
+    q, s, b = _layer(n, k, group, bias)
+    layer = Int8Linear(q, s, b)
+    exact = Int8Linear(q, s, b)
+    layer.bf16_dot = True
+    dot_shape = k % 8 == 0 and (group or k) % 8 == 0
+    gen = torch.Generator().manual_seed(5)
+    weight = dequantize_weight(q, s)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen)
+        y = layer(x)
+        if rows <= 12 or not dot_shape:
+            torch.testing.assert_close(y, exact(x), rtol=0, atol=0)
+            continue
+        rounded = F.linear(x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float(), b)
+        torch.testing.assert_close(y, rounded, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(y, exact(x))  # the bf16 arithmetic did run
+
+
+@needs_c_kernel
 def test_forward_goes_through_the_c_kernel(monkeypatch):
     lib = il._library()
     real, calls = lib.int8_linear_f32, []

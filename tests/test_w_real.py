@@ -86,7 +86,7 @@ def test_tiny_run_covers_every_engine_and_batch(llama_dir, tmp_path):
                 assert f["length_mismatches"] == 0
     assert res[w_real.ASYNCLLM_INT8]["llm_kwargs"]["quantization"] == "int8"
     assert res[w_real.ASYNCLLM_BF16]["llm_kwargs"]["dtype"] == "bfloat16"
-    for name in (w_real.ASYNCLLM_Q8, w_real.LLAMACPP_Q8):  # no Q8_0 file given with --model-dir
+    for name in (w_real.ASYNCLLM_Q8, w_real.ASYNCLLM_Q8_BF16, w_real.LLAMACPP_Q8):  # no Q8_0 file with --model-dir
         assert res[name]["status"] == "skipped" and "--gguf-q8_0" in res[name]["reason"]
 
     llama = res[w_real.LLAMACPP_F32]

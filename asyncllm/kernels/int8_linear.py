@@ -3,7 +3,8 @@
 :class:`Int8Linear` computes ``y = x @ (qweight * scales).T + bias`` (see :mod:`.int8_weights` for
 the format) and picks its kernel from the input:
 
-- CPU, float32: the C kernel of ``csrc/int8_linear.c``, at every row count. Up to 12 rows
+- CPU, float32: the C kernel of ``csrc/int8_linear.c``, at every row count (with ``bf16_dot`` set, calls of
+  more than 12 rows multiply bf16-rounded weights and activations with AVX512-BF16 dot products). Up to 12 rows
   (decode) it streams the int8 weight and widens it in registers (at one row it reads a quarter of
   the bytes the float32 oneDNN ``PackedLinear`` reads); for more rows it widens each 16-column
   panel to float32 once per 64 rows, in cache, and runs a float micro-kernel over the rows (12x16
@@ -34,11 +35,19 @@ from .int8_weights import check_quantized, dequantize_weight, quantize_weight
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = (
     ("int8_linear_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int), _int),
+    ("int8_linear_bf16dot", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int), _int),
+    ("int8_linear_has_bf16dot", (), _int),
 )
 
 
 def _library() -> ctypes.CDLL | None:
     return load_library("int8_linear", _SIGNATURES)
+
+
+def bf16_dot_available() -> bool:
+    """Whether this build's int8 kernel multiplies with bf16 dot products (AVX512-BF16): ``Int8Linear.bf16_dot``."""
+    lib = _library()
+    return lib is not None and bool(lib.int8_linear_has_bf16dot())
 
 
 def cpu_kernel_available() -> bool:
@@ -108,6 +117,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.detach().to(torch.float32).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._c_args: tuple | None = None
+        # dtype="bfloat16" on int8 weights (model/runner.py): calls of more than 12 rows on CPU multiply
+        # bf16-rounded weights and activations with bf16 dot products (csrc/int8_linear.c), twice the
+        # multiply-adds per instruction of the float32 kernel
+        self.bf16_dot = False
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -161,9 +174,11 @@ class Int8Linear(nn.Module):
                 if x.stride(1) != 1:
                     x = x.contiguous()
                 y = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
-                if _library().int8_linear_f32(x.data_ptr(), x.stride(0), x.shape[0], *args, y.data_ptr(),
-                                              self.out_features, torch.get_num_threads()):
-                    raise RuntimeError("int8_linear_f32: out of memory")
+                lib = _library()
+                kernel = lib.int8_linear_bf16dot if self.bf16_dot else lib.int8_linear_f32
+                if kernel(x.data_ptr(), x.stride(0), x.shape[0], *args, y.data_ptr(), self.out_features,
+                          torch.get_num_threads()):
+                    raise RuntimeError("int8_linear: out of memory")
                 return y
         elif x.is_cuda and self.qweight.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
             triton_linear = _triton_linear()

@@ -109,6 +109,12 @@ class ModelRunner:
         self.bf16_head = self.bf16_weights or (
             self.platform.bf16_weights and config.dtype == "bfloat16" and self.architecture.native
             and self.weight_format.checkpoint is not None and not self.weight_format.int8)
+        # dtype="bfloat16" on int8 weights (quantization="int8", a Q8_0 GGUF, 8-bit checkpoints): the weights stay
+        # int8, and calls of more than 12 rows (prefill, decode batches) multiply with bf16 dot products
+        self.int8_bf16_dot = (self.platform.bf16_weights and config.dtype == "bfloat16" and self.weight_format.int8
+                              and _int8_bf16_dot_here())
+        if self.int8_bf16_dot:
+            _use_int8_bf16_dot(self.model)
         self.num_blocks = self._agree_num_blocks(config, max_model_len)
         # every running sequence's block table, kept across steps (engine/block_tables.py)
         self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
@@ -528,6 +534,23 @@ class _Gathers(NamedTuple):
 def _bf16_matmuls() -> bool:
     """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16 or AMX)."""
     return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+
+
+def _int8_bf16_dot_here() -> bool:
+    from ..kernels.int8_linear import bf16_dot_available
+
+    return bf16_dot_available()
+
+
+def _use_int8_bf16_dot(model: torch.nn.Module) -> None:
+    """Every int8 layer of ``model`` (the LM head included) multiplies calls of 13+ rows in bf16 dot products."""
+    from ..kernels.int8_linear import Int8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    for layer in layers:
+        layer.bf16_dot = True
+    logger.info("dtype=bfloat16 on int8 weights: %d int8 layers multiply in bf16 dot products from 13 rows",
+                len(layers))
 
 
 @torch.no_grad()

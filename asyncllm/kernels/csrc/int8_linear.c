@@ -21,6 +21,11 @@
  *   per row, 12 FMAs), so each weight is converted once per 64 rows. Built for AVX-512, a 12x16
  *   micro-kernel replaces it (a panel row is one zmm vector: one load and up to 12 FMAs per input
  *   column); same order of operations, so the same results to the bit.
+ * - With bf16 dot products (int8_linear_bf16dot, AVX512-BF16 builds; dtype="bfloat16" on int8 weights), a call of
+ *   more than 12 rows rounds its rows to bf16 pairs once, and each widened panel (q * scale, as above) to bf16
+ *   pairs too; a 12x32 micro-kernel over two panels then does two vdpbf16ps per row and pair of input columns
+ *   (each one twice the multiply-adds of an FMA). The weights stay int8 in memory; the products are those of
+ *   bf16-rounded weights and activations, summed in float32 (the bf16 path's tolerance, not the float32 bits).
  * The micro-kernels are kept out of line (noinline): inlined into the OpenMP body, GCC spilled the
  * 6x16 kernel's accumulators (30-40% slower).
  *
@@ -231,6 +236,129 @@ __attribute__((noinline)) static void widen_panel(const int8_t *q, int64_t N, in
 #include "float_tiles_avx512.h"
 #endif /* INT8_LINEAR_AVX512 */
 
+#if defined(INT8_LINEAR_AVX512) && defined(__AVX512BF16__)
+#define INT8_LINEAR_BF16DOT 1
+#define MR_DP 12 /* most rows per bf16 dot-product tile: 24 accumulators, two weight vectors, one broadcast */
+
+/* rows x[m] (stride xs, K even) as bf16 pairs xp[m][K / 2] (round to nearest even) */
+static void pair_rows(const float *x, int64_t xs, int64_t M, int64_t K, uint32_t *xp, int num_threads) {
+    const int64_t pairs = K / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) {
+        const float *src = x + m * xs;
+        uint16_t *dst = (uint16_t *)(xp + m * pairs);
+        for (int64_t k = 0; k < K; k += 32) {
+            const int64_t left = K - k;
+            const __mmask16 lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            const __mmask16 hi = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            const __m512 v0 = _mm512_maskz_loadu_ps(lo, src + k), v1 = _mm512_maskz_loadu_ps(hi, src + k + 16);
+            const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(v1, v0); /* v0's 16 values first */
+            const __mmask32 keep = left >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+            _mm512_mask_storeu_epi16(dst + k, keep, packed);
+        }
+    }
+}
+
+/* wp[kk][j] = (bf16(wf[2kk][j]), bf16(wf[2kk + 1][j])) as one 32-bit lane, the low half first: the weights'
+ * side of vdpbf16ps for a widened panel's 16 columns */
+static void pair_panel(const float *wf, int64_t K, uint32_t *wp) {
+    for (int64_t kk = 0; kk < K / 2; kk++) {
+        const __m256bh lo = _mm512_cvtneps_pbh(_mm512_loadu_ps(wf + 2 * kk * NR));
+        const __m256bh hi = _mm512_cvtneps_pbh(_mm512_loadu_ps(wf + (2 * kk + 1) * NR));
+        const __m512i l = _mm512_cvtepu16_epi32((__m256i)lo);
+        const __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16);
+        _mm512_storeu_si512(wp + kk * NR, _mm512_or_si512(l, h));
+    }
+}
+
+#define DPACC(m) __m512 a##m = _mm512_setzero_ps(), b##m = _mm512_setzero_ps();
+#define DPFMA(m)                                                                   \
+    if (R > m) {                                                                   \
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[m * pairs + kk]);  \
+        a##m = _mm512_dpbf16_ps(a##m, xv, w0);                                     \
+        b##m = _mm512_dpbf16_ps(b##m, xv, w1);                                     \
+    }
+#define DPSTORE(m)                                       \
+    if (R > m) {                                         \
+        _mm512_storeu_ps(out + m * 2 * NR, a##m);        \
+        _mm512_storeu_ps(out + m * 2 * NR + NR, b##m);   \
+    }
+
+/* out[m][0..32) for R rows of bf16 pairs against two paired panels (wp0: columns 0-15, wp1: 16-31) */
+static inline __attribute__((always_inline)) void tile_dp(const int R, const uint32_t *xp, int64_t pairs,
+                                                          const uint32_t *wp0, const uint32_t *wp1, float *out) {
+    DPACC(0) DPACC(1) DPACC(2) DPACC(3) DPACC(4) DPACC(5) DPACC(6) DPACC(7) DPACC(8) DPACC(9) DPACC(10) DPACC(11)
+    for (int64_t kk = 0; kk < pairs; kk++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp0 + kk * NR);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp1 + kk * NR);
+        DPFMA(0) DPFMA(1) DPFMA(2) DPFMA(3) DPFMA(4) DPFMA(5) DPFMA(6) DPFMA(7) DPFMA(8) DPFMA(9) DPFMA(10) DPFMA(11)
+    }
+    DPSTORE(0) DPSTORE(1) DPSTORE(2) DPSTORE(3) DPSTORE(4) DPSTORE(5)
+    DPSTORE(6) DPSTORE(7) DPSTORE(8) DPSTORE(9) DPSTORE(10) DPSTORE(11)
+}
+
+#define DP_TILE(r) case r: tile_dp(r, xp, pairs, wp0, wp1, out); break;
+
+__attribute__((noinline)) static void tile_from_pairs(int rows, const uint32_t *xp, int64_t pairs,
+                                                      const uint32_t *wp0, const uint32_t *wp1, float *out) {
+    switch (rows) {
+        DP_TILE(1) DP_TILE(2) DP_TILE(3) DP_TILE(4) DP_TILE(5) DP_TILE(6)
+        DP_TILE(7) DP_TILE(8) DP_TILE(9) DP_TILE(10) DP_TILE(11) DP_TILE(12)
+        default: break;
+    }
+}
+
+/* int8_linear_f32's arithmetic in bf16 dot products (K and G multiples of 8): threads split (block of MB rows,
+ * pair of panels) items; each widens its two panels (scales applied), pairs them, and runs the rows through
+ * them in tiles of at most MR_DP. */
+static int int8_linear_dp(const float *x, int64_t x_stride, int64_t M, const int8_t *q, const float *scales,
+                          const float *bias, int64_t N, int64_t K, int64_t G, float *y, int64_t y_stride,
+                          int num_threads) {
+    const int64_t pairs = K / 2, groups = K / G, panels = (N + NR - 1) / NR, duos = (panels + 1) / 2;
+    const int64_t blocks = (M + MB - 1) / MB, work = blocks * duos;
+    uint32_t *xp = (uint32_t *)malloc((size_t)(M * pairs) * sizeof(uint32_t));
+    if (!xp) return 1;
+    pair_rows(x, x_stride, M, K, xp, num_threads);
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (work > 1) reduction(| : failed)
+    for (int64_t t = 0; t < work; t++) {
+        const int64_t b = t / duos, n0 = (t % duos) * 2 * NR;
+        const int64_t m_begin = b * MB, m_end = m_begin + MB < M ? m_begin + MB : M, rows = m_end - m_begin;
+        const int cols = (int)(N - n0 < 2 * NR ? N - n0 : 2 * NR);
+        /* per thread: one panel's scales and float32 widening, then both panels' pairs */
+        float *ps = scratch_floats((size_t)(groups * NR + K * NR + K * NR));
+        if (!ps) { failed = 1; continue; }
+        float *wf = ps + groups * NR;
+        uint32_t *wp = (uint32_t *)(wf + K * NR);
+        for (int h = 0; h < 2; h++) {
+            const int64_t p0 = n0 + h * NR;
+            if (p0 < N) {
+                panel_scales(scales, p0, N, groups, ps);
+                widen_panel(q, N, p0, ps, K, G, wf);
+                pair_panel(wf, K, wp + h * pairs * NR);
+            } else {
+                memset(wp + h * pairs * NR, 0, (size_t)(pairs * NR) * sizeof(uint32_t));
+            }
+        }
+        float out[MB * 2 * NR];
+        const int64_t tiles = (rows + MR_DP - 1) / MR_DP;
+        int64_t m0 = 0;
+        for (int64_t i = 0; i < tiles; i++) {
+            const int r = (int)(rows / tiles + (i < rows % tiles));
+            tile_from_pairs(r, xp + (m_begin + m0) * pairs, pairs, wp, wp + pairs * NR, out + m0 * 2 * NR);
+            m0 += r;
+        }
+        for (int64_t m = 0; m < rows; m++) {
+            float *yr = y + (m_begin + m) * y_stride + n0;
+            const float *o = out + m * 2 * NR;
+            for (int j = 0; j < cols; j++) yr[j] = o[j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+    free(xp);
+    return failed;
+}
+#endif /* INT8_LINEAR_BF16DOT */
+
 /* y[m][n] = sum_k x[m][k] * q[n][k] * scales[n][k / G] (+ bias[n]) for m < M, n < N.
  * x: rows of x_stride floats; q: [N][K] int8 row-major; scales: [N][K / G]; bias: N floats or NULL;
  * y: rows of y_stride floats. Returns 0, 1 if scratch memory ran out, 2 for bad shapes. */
@@ -302,4 +430,25 @@ int int8_linear_f32(const float *x, int64_t x_stride, int64_t M, const int8_t *q
         }
     }
     return failed;
+}
+
+/* int8_linear_f32, except that calls of more than DOT_ROWS rows multiply bf16-rounded weights and activations
+ * with vdpbf16ps (int8_linear_dp; AVX512-BF16 builds, K and G multiples of 8; otherwise the float32 kernel). */
+int int8_linear_bf16dot(const float *x, int64_t x_stride, int64_t M, const int8_t *q, const float *scales,
+                        const float *bias, int64_t N, int64_t K, int64_t G, float *y, int64_t y_stride,
+                        int num_threads) {
+#ifdef INT8_LINEAR_BF16DOT
+    if (M > DOT_ROWS && N > 0 && K > 0 && G > 0 && K % G == 0 && K % 8 == 0 && G % 8 == 0)
+        return int8_linear_dp(x, x_stride, M, q, scales, bias, N, K, G, y, y_stride, num_threads);
+#endif
+    return int8_linear_f32(x, x_stride, M, q, scales, bias, N, K, G, y, y_stride, num_threads);
+}
+
+/* Whether int8_linear_bf16dot multiplies with bf16 dot products in this build (1) or is the float32 kernel (0). */
+int int8_linear_has_bf16dot(void) {
+#ifdef INT8_LINEAR_BF16DOT
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -280,6 +280,41 @@ static void gemv1_i8_madd(const int16_t *xq, const float *xs, int64_t K, const i
         y[n] = total * (per_channel ? S[n] : 1.0f) + (bias ? bias[n] : 0.0f);
     }
 }
+
+#ifdef __AVX512BW__
+/* gemv1_i8_madd with 512-bit vectors: a group of 32 input columns is one zmm of int16 activations, and each
+ * weight row's 32 int8 values one sign-extending load, so a row takes one vpmaddwd, one conversion and one FMA
+ * per group (the 256-bit loop: two, plus the add): the same exact int32 pair sums, summed in float32 in
+ * another order. */
+static void gemv1_i8_madd512(const int16_t *xq, const float *xs, int64_t K, const int8_t *W, const float *S,
+                             int64_t G, const float *bias, float *y, int64_t n0, int64_t n1, int64_t N) {
+    const int64_t xgroups = K / XGROUP, wgroups = K / G;
+    const int per_channel = wgroups == 1;
+    int64_t n = n0;
+    for (; n + 8 <= n1; n += 8) {
+        const int8_t *w = W + n * K;
+        __m512 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t a = 0; a < xgroups; a++) {
+            const int64_t k = a * XGROUP;
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + k));
+            const float sx = xs[a];
+            const int64_t wg = per_channel ? 0 : k / G;
+            if (!(a & 1) && n + 8 + PREFETCH_ROWS <= N)
+                for (int r = 0; r < 8; r++)
+                    _mm_prefetch((const char *)(w + (PREFETCH_ROWS + r) * K + k), _MM_HINT_T0);
+            for (int r = 0; r < 8; r++) {
+                const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + r * K + k)));
+                const float sc = per_channel ? sx : sx * S[(n + r) * wgroups + wg];
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(wv, xv)), _mm512_set1_ps(sc), acc[r]);
+            }
+        }
+        for (int r = 0; r < 8; r++)
+            y[n + r] = _mm512_reduce_add_ps(acc[r]) * (per_channel ? S[n + r] : 1.0f) + (bias ? bias[n + r] : 0.0f);
+    }
+    if (n < n1) gemv1_i8_madd(xq, xs, K, W, S, G, bias, y, n, n1, N);  /* leftover rows */
+}
+#endif
 #endif
 
 #ifdef __AVX512F__
@@ -624,7 +659,11 @@ static void project(const float *x, int64_t M, int64_t K, const void *W, const f
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * tile, n1 = n0 + tile < N ? n0 + tile : N;
+#ifdef __AVX512BW__
+            gemv1_i8_madd512(xq, xs, K, (const int8_t *)W, S, G, bias, y, n0, n1, N);
+#else
             gemv1_i8_madd(xq, xs, K, (const int8_t *)W, S, G, bias, y, n0, n1, N);
+#endif
         }
         return;
     }

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(throughput mode)")
     engine = serve.add_argument_group("more engine arguments (docs/api.md; default: the engine's)")
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    engine.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                        help="the KV cache's element type (auto: the activations'; bfloat16 on CPU: half the bytes)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse KV blocks of identical prompt prefixes (default on)")
     engine.add_argument("--max-loras", type=int, default=None, help="LoRA adapters in one batch")

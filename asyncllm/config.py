@@ -9,6 +9,7 @@ from .errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "cpu")
+_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -23,6 +24,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token ids in, token ids out: no tokenizer is loaded
     generation_config: str = "auto"    # "auto": generation_config.json's sampling defaults apply; "none": ignored
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"       # "auto" (the activations'), "float32", "bfloat16" (CPU: half the cache bytes)
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -69,6 +71,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in _BACKENDS:
             raise ConfigError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
         for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank", "max_cpu_loras", "max_n",

@@ -37,7 +37,7 @@ def test_decode_steps_equal_float32_on_rounded_weights(model_dirs, kind):
     model_dir = model_dirs[kind]
     prompts = _one_token_prompts()
     expected = reference_greedy(model_dir, prompts, GREEDY.max_tokens, model=_rounded_reference(model_dir))
-    llm = LLM(str(model_dir), dtype="bfloat16")
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_dtype="float32")  # float32 cache: exact (the default: bf16)
     runner = llm.engine.runner
     calls = []
     if runner.decode_stack is not None:

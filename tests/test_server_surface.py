@@ -237,8 +237,8 @@ def test_serve_exposes_the_engine_arguments(tmp_path):
     extras = engine_extras(parse("--block-size", "32", "--no-enable-prefix-caching", "--max-loras", "2",
                                   "--max-lora-rank", "16", "--max-cpu-loras", "4", "--attention-backend", "torch",
                                   "--no-enable-cuda-graphs", "--seed", "7", "--tensor-parallel-size", "1",
-                                  "--model-impl", "transformers"))
-    assert extras == {"block_size": 32, "enable_prefix_caching": False, "max_loras": 2, "max_lora_rank": 16,
+                                  "--model-impl", "transformers", "--kv-cache-dtype", "bfloat16"))
+    assert extras == {"block_size": 32, "kv_cache_dtype": "bfloat16", "enable_prefix_caching": False, "max_loras": 2, "max_lora_rank": 16,
                       "max_cpu_loras": 4, "attention_backend": "torch", "enable_cuda_graphs": False, "seed": 7,
                       "tensor_parallel_size": 1, "model_impl": "transformers"}
     from asyncllm.config import EngineConfig

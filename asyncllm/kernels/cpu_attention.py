@@ -33,7 +33,7 @@ class _Decodes:
 
 _PAGED_DECODE = (("paged_decode_f32", (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                         _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_int, _i64,
-                                        ctypes.c_float, _ptr),
+                                        ctypes.c_float, _ptr, ctypes.c_int),
                    ctypes.c_int),)
 
 
@@ -53,7 +53,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention of one query token per decoding sequence over its cached keys/values, written into ``out``.
 
     query/out: [tokens, heads, head_dim] float32 (rows ``rows`` are read/written); caches:
-    [num_blocks, block_size, kv_heads, head_dim] contiguous; block_tables: [seqs, max_blocks] int64;
+    [num_blocks, block_size, kv_heads, head_dim] contiguous, float32 or bfloat16 (both the same dtype); block_tables: [seqs, max_blocks] int64;
     seq_lens: [seqs] int64; rows/seqs: [n] int64 (decode i uses query row ``rows[i]`` and sequence
     ``seqs[i]``). ``sinks``: [heads] logits that join each head's softmax denominator (gpt-oss).
     """
@@ -61,10 +61,14 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if lib is None:
         raise RuntimeError("the CPU decode kernel is not available on this machine")
     for name, t in (("query", query), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+        allowed = (torch.float32, torch.bfloat16) if name.endswith("cache") else (torch.float32,)
+        if t.dtype not in allowed or t.device.type != "cpu":
+            kinds = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+            raise TypeError(f"{name} must be a {kinds} CPU tensor, got {t.dtype} on {t.device}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("rows", rows), ("seqs", seqs)):
@@ -80,7 +84,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim, query.shape[1],
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(),
         seqs.data_ptr(), rows.numel(), scale, torch.get_num_threads(), int(window or 0), float(softcap or 0.0),
-        None if sinks is None else sinks.data_ptr())
+        None if sinks is None else sinks.data_ptr(), int(k_cache.dtype == torch.bfloat16))
     if failed == 2:
         raise ValueError("a decoding sequence is empty or longer than its block table covers")
     if failed:
@@ -88,7 +92,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """Paged attention for float32 on CPU: the C kernel for decodes, SDPA for prefill chunks."""
+    """Paged attention for float32 on CPU: the C kernel for decodes, SDPA for prefill chunks; the cache float32 or
+    bfloat16 (``kv_cache_dtype``: read widened to float32)."""
 
     name = "cpu"
 

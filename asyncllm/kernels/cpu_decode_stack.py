@@ -61,7 +61,7 @@ class _Layer(ctypes.Structure):
 
 _SIGNATURES = (("decode_stack_f32", (ctypes.POINTER(_Layer), _i64, _int, _i64, _ptr, _i64, _ptr, _f32, _i64, _i64,
                                      _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _f32,
-                                     _int, _int), _int),
+                                     _int, _int, _int), _int),
                ("decode_stack_panels", (), _int),
                ("panel_linear_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int),
                ("panel_linear_bf16", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int),
@@ -190,6 +190,8 @@ class DecodeStack:
         # 4 bits: int4_linear.c's loops, register tiles up to 12 rows and widened panels above (its MB: 64)
         self.max_rows = MAX_PANEL_ROWS if self.panels or weights == "int4" else MAX_ROWS
         self.model = model
+        # kv_cache_dtype="bfloat16": the kernel rounds the new keys/values into the cache and widens them as it reads
+        self.kv_bf16 = kv_caches[0][0].dtype == torch.bfloat16
         self._keep: list[torch.Tensor] = []  # every tensor a pointer refers to
         layers = (_Layer * shape.num_layers)()
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(model.model.layers, kv_caches)):
@@ -243,8 +245,8 @@ class DecodeStack:
             reason = f"{weights} weights are not in the kernel"
         elif weights == "bfloat16" and not panels_supported():
             reason = "bfloat16 weights are read as panels, which need an AVX-512 build"
-        elif kv_caches[0][0].dtype != torch.float32:
-            reason = "float32 only"
+        elif kv_caches[0][0].dtype not in (torch.float32, torch.bfloat16):
+            reason = f"a {kv_caches[0][0].dtype} KV cache (the kernel reads float32 or bfloat16 caches)"
         if reason is None:
             try:
                 if weights == "int4":
@@ -279,7 +281,7 @@ class DecodeStack:
             self.final_norm.data_ptr(), self.eps, s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads,
             s.head_dim, positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), meta.block_size, self.scale,
-            torch.get_num_threads(), int(meta.chained))
+            torch.get_num_threads(), int(meta.chained), int(self.kv_bf16))
         if failed == 3:
             raise ValueError(f"{hidden.shape[0]} rows: more than the kernel takes for {self.weights} weights")
         if failed == 2:

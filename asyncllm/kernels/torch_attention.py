@@ -12,10 +12,16 @@ from .metadata import AttentionMetadata
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Store new tokens' keys/values ([tokens, kv_heads, head_dim]) into their cache slots."""
+    """Store new tokens' keys/values ([tokens, kv_heads, head_dim]) into their cache slots (rounded to the cache's
+    dtype where it differs: ``kv_cache_dtype="bfloat16"`` under float32 activations)."""
     kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _as_query(cached: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Gathered cache rows in the query's dtype (a bfloat16 cache under float32 activations is widened)."""
+    return cached if cached.dtype == query.dtype else cached.to(query.dtype)
 
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -157,6 +163,7 @@ class TorchAttentionBackend:
         n, (_, _, kv_heads, dim) = group.num_seqs, k_cache.shape
         k = k_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
         v = v_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
+        k, v = _as_query(k, query), _as_query(v, query)
         q = query.index_select(0, group.rows).view(n, group.q_len, -1, dim).transpose(1, 2)  # [n, heads, q_len, dim]
         out = _sdpa(q, k, v, group.mask, scale, causal=group.mask is None)
         output.index_copy_(0, group.rows, out.transpose(1, 2).reshape(n * group.q_len, -1, dim))
@@ -164,8 +171,8 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(group: _DecodeGroup, query, k_cache, v_cache, scale, output) -> None:
         n, (_, _, kv_heads, dim) = group.num_seqs, k_cache.shape
-        k = k_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim).transpose(1, 2)
-        v = v_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim).transpose(1, 2)
+        k = _as_query(k_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim).transpose(1, 2), query)
+        v = _as_query(v_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim).transpose(1, 2), query)
         # Grouped-query trick: the query heads sharing one KV head become that head's "query rows",
         # so K/V are read once per KV head instead of being copied for every query head.
         q = query.index_select(0, group.rows).view(n, kv_heads, -1, dim)  # [seqs, kv_heads, group, dim]
@@ -178,8 +185,8 @@ class TorchAttentionBackend:
         num_blocks = -(-seq_len // meta.block_size)
         blocks = meta.block_tables[i, :num_blocks]
         kv_heads, dim = k_cache.shape[-2:]
-        k = k_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2)
-        v = v_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2)
+        k = _as_query(k_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2), query)
+        v = _as_query(v_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2), query)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
         if seq_len == q_len:
             out = _sdpa(q, k, v, None, scale, causal=True)

@@ -115,6 +115,7 @@ class ModelRunner:
                               and _int8_bf16_dot_here())
         if self.int8_bf16_dot:
             _use_int8_bf16_dot(self.model)
+        self.kv_dtype = self._kv_cache_dtype(config)
         self.num_blocks = self._agree_num_blocks(config, max_model_len)
         # every running sequence's block table, kept across steps (engine/block_tables.py)
         self._table_buffer = np.zeros((config.max_num_seqs, -(-max_model_len // self.block_size)), dtype=np.int64)
@@ -260,12 +261,36 @@ class ModelRunner:
         s = self.local_shape
         return layout(s) if layout is not None else (s.num_kv_heads, s.head_dim, False)
 
+    def _kv_cache_dtype(self, config: EngineConfig) -> torch.dtype:
+        """The KV cache's element type: the activations' by default, or bfloat16 under float32 activations on the
+        CPU's attention paths, which write it rounded and widen it as they read (half the bytes per block).
+        ``"auto"`` picks that under ``dtype="bfloat16"`` on CPU (bf16 weights, float32 activations), as vLLM's CPU
+        build keeps a bf16 cache for a bf16 model."""
+        if config.kv_cache_dtype == "auto":
+            bf16_path = (self.platform.bf16_weights and self.dtype == torch.float32 and self.backend.name == "cpu"
+                         and not self.kv_layout[2])
+            if bf16_path:
+                logger.info("dtype=bfloat16 on CPU: the KV cache in bfloat16 (kv_cache_dtype='float32' keeps float32)")
+            return torch.bfloat16 if bf16_path else self.dtype
+        wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.kv_cache_dtype]
+        if wanted == self.dtype:
+            return wanted
+        if self.platform.is_cuda or self.backend.name not in ("cpu", "torch") or wanted != torch.bfloat16:
+            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype!r} with dtype {str(self.dtype)[6:]!r}: a cache "
+                              "dtype other than the model's is a bfloat16 cache under float32 activations, on the "
+                              f"CPU attention backends ('cpu', 'torch'; this engine uses {self.backend.name!r})")
+        if self.kv_layout[2]:
+            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype!r}: this family's latent KV cache "
+                              "(one tensor for keys and values) stays in the model's dtype")
+        logger.info("KV cache in bfloat16 under float32 activations: half the bytes per block")
+        return wanted
+
     @property
     def bytes_per_block(self) -> int:
         kv_heads, head_dim, shared = self.kv_layout
         tensors = 1 if shared else 2
         return (tensors * self.local_shape.num_layers * self.block_size * kv_heads * head_dim
-                * torch.finfo(self.dtype).bits // 8)
+                * torch.finfo(self.kv_dtype).bits // 8)
 
     def _count_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         budget = config.kv_cache_memory or self._default_kv_bytes()
@@ -293,8 +318,8 @@ class ModelRunner:
         caches = []
         for _ in range(self.local_shape.num_layers):
             # zeros, not empty: masked-out slots must not hold NaN bit patterns (0 * NaN = NaN)
-            k_cache = _zeros(shape, self.dtype, self.device)
-            caches.append((k_cache, k_cache if shared else _zeros(shape, self.dtype, self.device)))
+            k_cache = _zeros(shape, self.kv_dtype, self.device)
+            caches.append((k_cache, k_cache if shared else _zeros(shape, self.kv_dtype, self.device)))
         return caches
 
     @torch.inference_mode()

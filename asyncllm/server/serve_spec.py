@@ -76,7 +76,7 @@ class ServeSpec:
             raise
 
 
-ENGINE_EXTRAS = ("block_size", "enable_prefix_caching", "max_loras", "max_lora_rank", "max_cpu_loras",
+ENGINE_EXTRAS = ("block_size", "kv_cache_dtype", "enable_prefix_caching", "max_loras", "max_lora_rank", "max_cpu_loras",
                  "attention_backend", "model_impl", "enable_cuda_graphs", "tensor_parallel_size",
                  "enable_expert_parallel", "nnodes", "node_rank", "seed", "limit_mm_per_prompt", "max_image_bytes",
                  "max_image_pixels", "allowed_local_media_path", "allowed_media_domains", "media_fetch_timeout",

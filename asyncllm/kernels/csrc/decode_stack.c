@@ -40,7 +40,7 @@ typedef struct {
     const void *qkv, *o, *gate_up, *down;     /* row-major [N][K]: float or int8 */
     const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales; /* [N][K / G] (int8 only) */
     const float *qkv_bias;                    /* [Q + 2 KV] or NULL */
-    float *k_cache, *v_cache;                 /* [blocks][block_size][kv_heads][D] */
+    void *k_cache, *v_cache;                  /* [blocks][block_size][kv_heads][D]: float, or bf16 (kv_bf16) */
     const float *qkv_zeros, *o_zeros, *gate_up_zeros, *down_zeros; /* [N][Ks / G] (4 bits only) */
 } layer_t;
 
@@ -768,17 +768,25 @@ static void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
 /* The query heads of kv head kvh (per_kv of them) of one row attend over its n cached keys and
  * values: paged_attention.h's loop, shared with the module path's decode kernel. scores: per_kv * (n + D)
  * floats of scratch. */
-static void attend(const layer_t *L, const float *qkv_row, float *out_row, int64_t kvh, int64_t per_kv, int64_t n,
-                   const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t D, float scale, float *scores) {
-    const float *q = qkv_row + kvh * per_kv * D, *k = L->k_cache + kvh * D, *v = L->v_cache + kvh * D;
+static void attend(const layer_t *L, int kv_bf16, const float *qkv_row, float *out_row, int64_t kvh, int64_t per_kv,
+                   int64_t n, const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t D, float scale,
+                   float *scores) {
+    const float *q = qkv_row + kvh * per_kv * D;
     float *out = out_row + kvh * per_kv * D;
-#define ATTEND(DIM) decode_item(q, D, out, D, k, v, table, n, block_size, kv_heads * D, DIM, per_kv, 1, scale, scores, \
-                                0, 0.0f, NULL)
-    switch (D) { /* the common head sizes get unrolled copies */
-        case 64: ATTEND(64); break;
-        case 128: ATTEND(128); break;
-        default: ATTEND(D); break;
+#define ATTEND(FN, T, DIM) FN(q, D, out, D, (const T *)L->k_cache + kvh * D, (const T *)L->v_cache + kvh * D, table, n, \
+                              block_size, kv_heads * D, DIM, per_kv, 1, scale, scores, 0, 0.0f, NULL)
+#define ATTENDS(FN, T)                                             \
+    switch (D) { /* the common head sizes get unrolled copies */ \
+        case 64: ATTEND(FN, T, 64); break;                         \
+        case 128: ATTEND(FN, T, 128); break;                       \
+        default: ATTEND(FN, T, D); break;                          \
     }
+    if (kv_bf16) {
+        ATTENDS(decode_item_bf16, uint16_t)
+    } else {
+        ATTENDS(decode_item, float)
+    }
+#undef ATTENDS
 #undef ATTEND
 }
 
@@ -789,6 +797,7 @@ static void add_rows(float *x, const float *d, int64_t count) {
 
 /* kind: 0 float32 weights (panels on AVX-512 builds, else row-major), 1 int8 with scales, 2 4-bit with scales
  * and zeros (project_q4; at most MB rows), 3 bfloat16 panels (AVX-512 builds; project_panels_bf16). group: values per scale, 0 = one group per row.
+ * kv_bf16: the KV caches hold bfloat16 values (written rounded to nearest even, widened as read), else float32.
  * Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad position or length, 3 for
  * too many rows (4 bits) or an unknown kind.
  *
@@ -801,7 +810,8 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
                      const float *final_norm, float eps, int64_t H, int64_t I, int64_t num_heads, int64_t kv_heads,
                      int64_t D, const int64_t *positions, const float *cos_table, const float *sin_table,
                      int64_t max_positions, const int64_t *slots, const int64_t *block_tables, int64_t table_stride,
-                     const int64_t *seq_lens, int64_t block_size, float scale, int num_threads, int chained) {
+                     const int64_t *seq_lens, int64_t block_size, float scale, int num_threads, int chained,
+                     int kv_bf16) {
     const int64_t Q = num_heads * D, KV = kv_heads * D, QKV = Q + 2 * KV, per_kv = num_heads / kv_heads;
     int64_t longest = 1;
     for (int64_t m = 0; m < M; m++) {
@@ -874,10 +884,10 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
                 float *k = row + Q + kvh * D;
                 rope_head(k, c, s, D);
                 for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++) rope_head(row + h * D, c, s, D);
-                memcpy(L->k_cache + slots[m] * KV + kvh * D, k, (size_t)D * sizeof(float));
-                memcpy(L->v_cache + slots[m] * KV + kvh * D, row + Q + KV + kvh * D, (size_t)D * sizeof(float));
+                store_kv_row(L->k_cache, kv_bf16, slots[m] * KV + kvh * D, k, D);
+                store_kv_row(L->v_cache, kv_bf16, slots[m] * KV + kvh * D, row + Q + KV + kvh * D, D);
                 if (!chained)
-                    attend(L, row, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride,
+                    attend(L, kv_bf16, row, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride,
                            block_size, kv_heads, D, scale, scores);
             }
             if (chained) {
@@ -887,7 +897,7 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
 #pragma omp for schedule(static)
                 for (int64_t task = 0; task < M * kv_heads; task++) {
                     const int64_t m = task / kv_heads, kvh = task % kv_heads;
-                    attend(L, qkv + m * QKV, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride,
+                    attend(L, kv_bf16, qkv + m * QKV, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride,
                            block_size, kv_heads, D, scale, scores);
                 }
             }

@@ -43,112 +43,88 @@ static inline float dot16(const float *a, const float *b, int64_t n) {
 #define VEC_DOT(a, b, n) dot((a), (b), (n))
 #endif
 
-/* Prefetch one cache row of `width` floats (the lines it spans) for reading, into L1. */
-#define PREFETCH_ROW(p, width)                                                          \
-    do {                                                                                \
-        for (int64_t c_ = 0; c_ < (width); c_ += 16) __builtin_prefetch((p) + c_, 0, 3); \
+/* Prefetch one cache row of `width` elements (the 64-byte lines it spans) for reading, into L1. */
+#define PREFETCH_ROW(p, width)                                                                                 \
+    do {                                                                                                       \
+        for (int64_t c_ = 0; c_ < (width); c_ += 64 / (int64_t)sizeof(*(p))) __builtin_prefetch((p) + c_, 0, 3); \
     } while (0)
+
+/* A bfloat16 KV cache (kv_cache_dtype="bfloat16"): values are the upper halves of float32s, so widening is a
+ * shift; stores round to nearest even, as torch's conversion does (NaN stays NaN). */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* one cache row written: float32 as it is, or rounded to bf16 */
+static inline void store_kv_row(void *cache, int kv_bf16, int64_t offset, const float *src, int64_t n) {
+    if (kv_bf16) {
+        uint16_t *dst = (uint16_t *)cache + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)cache + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += a[i] * bf16_to_f32(b[i]);
+    return acc;
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline float dot16_bf16(const float *a, const uint16_t *b, int64_t n) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), load16_bf16(b));
+    for (int64_t i = 16; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16_bf16(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+#define VEC_DOT_BF16(a, b, n) ((n) % 16 == 0 ? dot16_bf16((a), (b), (n)) : dot_bf16((a), (b), (n)))
+#else
+#define VEC_DOT_BF16(a, b, n) dot_bf16((a), (b), (n))
+#endif
 
 /* Tokens of the block starting at token `start` of a `len`-token sequence (0 past its end). */
 static inline int64_t block_tokens(int64_t start, int64_t len, int64_t block_size) {
     return start >= len ? 0 : (len - start < block_size ? len - start : block_size);
 }
 
-/* One work item: a decode's query heads that share KV heads [kv0, kv0 + nkv). Always inlined into
- * call sites with a constant head_dim, so the compiler unrolls the dot products.
- * Rows of query head qh = (kv0 + j) * group + g go to scores[(j * group + g) * len + t]; the
- * heads' outputs are accumulated in acc[(j * group + g) * head_dim + i].
- * `hidden`: the first keys the query may not see (a sliding window that starts inside the first
- * block; the caller starts `table` at the window's first block); `softcap` > 0: scores become
- * softcap * tanh(score / softcap) (Gemma 2). Both 0 for plain attention. `sinks` (NULL: none): one
- * logit per output row (gpt-oss's attention sinks) that joins the softmax's denominator, attending to
- * nothing. */
-static inline __attribute__((always_inline)) void decode_item(
-        const float *q, int64_t q_head_stride, float *out, int64_t out_head_stride,
-        const float *k_base, const float *v_base, const int64_t *table, int64_t len, int64_t block_size,
-        int64_t token_stride, const int64_t head_dim, int64_t group, int64_t nkv, float scale, float *scores,
-        int64_t hidden, float softcap, const float *sinks) {
-    const int64_t rows = nkv * group;
-    float *acc = scores + rows * len;
-    /* Block by block (no division per token); within a block the tokens' KV heads are contiguous,
-     * so the reads stream through memory. */
-    for (int64_t start = 0; start < len; start += block_size) {
-        const float *k = k_base + table[start / block_size] * block_size * token_stride;
-        const int64_t n = block_tokens(start, len, block_size);
-        const int64_t next_n = block_tokens(start + block_size, len, block_size);
-        const float *k_next = next_n ? k_base + table[start / block_size + 1] * block_size * token_stride : k;
-        for (int64_t o = 0; o < n; o++, k += token_stride) {
-            if (o < next_n) PREFETCH_ROW(k_next + o * token_stride, nkv * head_dim);
-            for (int64_t j = 0; j < nkv; j++)
-                for (int64_t g = 0; g < group; g++)
-                    scores[(j * group + g) * len + start + o] =
-                        VEC_DOT(q + (j * group + g) * q_head_stride, k + j * head_dim, head_dim) * scale;
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        float *s = scores + r * len;
-        if (softcap > 0.0f)
-            for (int64_t t = 0; t < len; t++) s[t] = softcap * tanhf(s[t] / softcap);
-        for (int64_t t = 0; t < hidden; t++) s[t] = -INFINITY;  /* exp gives 0: outside the window */
-        float max = s[hidden];
-#pragma omp simd reduction(max : max)
-        for (int64_t t = hidden + 1; t < len; t++) max = s[t] > max ? s[t] : max;
-        if (sinks && sinks[r] > max) max = sinks[r];
-        float sum = sinks ? expf(sinks[r] - max) : 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            s[t] = expf(s[t] - max);
-            sum += s[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) s[t] *= inv;
-    }
-#if defined(__AVX512F__)
-    if (head_dim % 16 == 0 && head_dim <= 256) {
-        /* One output row at a time with its accumulator in registers (head_dim / 16 vectors); the
-         * group's other rows re-read the same values from L2. */
-        for (int64_t j = 0; j < nkv; j++)
-            for (int64_t g = 0; g < group; g++) {
-                const float *p = scores + (j * group + g) * len;
-                __m512 a[16];
-                for (int64_t c = 0; c < head_dim / 16; c++) a[c] = _mm512_setzero_ps();
-                for (int64_t start = 0; start < len; start += block_size) {
-                    const float *v = v_base + table[start / block_size] * block_size * token_stride + j * head_dim;
-                    const int64_t n = block_tokens(start, len, block_size);
-                    /* the first of the group's passes reads the values from DRAM: prefetch ahead */
-                    const int64_t next_n = g == 0 ? block_tokens(start + block_size, len, block_size) : 0;
-                    const float *v_next =
-                        next_n ? v_base + table[start / block_size + 1] * block_size * token_stride + j * head_dim : v;
-                    for (int64_t o = 0; o < n; o++, v += token_stride) {
-                        if (o < next_n) PREFETCH_ROW(v_next + o * token_stride, head_dim);
-                        const __m512 w = _mm512_set1_ps(p[start + o]);
-                        for (int64_t c = 0; c < head_dim / 16; c++)
-                            a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), a[c]);
-                    }
-                }
-                float *dst = out + (j * group + g) * out_head_stride;
-                for (int64_t c = 0; c < head_dim / 16; c++) _mm512_storeu_ps(dst + 16 * c, a[c]);
-            }
-        return;
-    }
-#endif
-    memset(acc, 0, (size_t)(rows * head_dim) * sizeof(float));
-    for (int64_t start = 0; start < len; start += block_size) {
-        const float *v = v_base + table[start / block_size] * block_size * token_stride;
-        const int64_t n = len - start < block_size ? len - start : block_size;
-        for (int64_t o = 0; o < n; o++, v += token_stride)
-            for (int64_t j = 0; j < nkv; j++)
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[(j * group + g) * len + start + o];
-                    float *a = acc + (j * group + g) * head_dim;
-                    const float *vj = v + j * head_dim;
-#pragma omp simd
-                    for (int64_t i = 0; i < head_dim; i++) a[i] += p * vj[i];
-                }
-    }
-    for (int64_t r = 0; r < rows; r++)
-        memcpy(out + r * out_head_stride, acc + r * head_dim, (size_t)head_dim * sizeof(float));
-}
+#define ITEM_NAME decode_item
+#define KV_T float
+#define KV_DOT(a, b, n) VEC_DOT((a), (b), (n))
+#define KV_AT(p, i) ((p)[i])
+#define KV_LOAD16(p) _mm512_loadu_ps(p)
+#include "paged_attention_item.h"
+#undef ITEM_NAME
+#undef KV_T
+#undef KV_DOT
+#undef KV_AT
+#undef KV_LOAD16
+
+/* the same over a bfloat16 cache: values widened as they are read (half the bytes from DRAM) */
+#define ITEM_NAME decode_item_bf16
+#define KV_T uint16_t
+#define KV_DOT(a, b, n) VEC_DOT_BF16((a), (b), (n))
+#define KV_AT(p, i) bf16_to_f32((p)[i])
+#define KV_LOAD16(p) load16_bf16(p)
+#include "paged_attention_item.h"
+#undef ITEM_NAME
+#undef KV_T
+#undef KV_DOT
+#undef KV_AT
+#undef KV_LOAD16
 
 #endif

@@ -22,14 +22,15 @@
  * its block table row covers (table_width * block_size tokens). `window` > 0: each query sees only
  * the last `window` positions (a sliding-window layer), and only the blocks holding them are read;
  * `softcap` > 0: tanh soft-capping of the scores; `sinks` (NULL: none): [num_heads] logits that join each
- * head's softmax denominator (gpt-oss). */
+ * head's softmax denominator (gpt-oss); `kv_bf16`: the caches hold bfloat16 values (else float32). */
 int paged_decode_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride,
                      float *out, int64_t out_tok_stride, int64_t out_head_stride,
-                     const float *k_cache, const float *v_cache, int64_t block_size,
+                     const void *k_cache, const void *v_cache, int64_t block_size,
                      int64_t num_kv_heads, int64_t head_dim, int64_t num_heads,
                      const int64_t *block_tables, int64_t table_stride, int64_t table_width, const int64_t *seq_lens,
                      const int64_t *rows, const int64_t *seqs, int64_t num_decodes,
-                     float scale, int num_threads, int64_t window, float softcap, const float *sinks) {
+                     float scale, int num_threads, int64_t window, float softcap, const float *sinks,
+                     int kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;  /* between consecutive cache slots */
     /* Whole decodes per work item when there are enough of them to keep every thread busy
@@ -51,17 +52,23 @@ int paged_decode_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride
         if (!scores) { failed = 1; continue; }
         const float *qh = q + row * q_tok_stride + kv0 * group * q_head_stride;
         float *oh = out + row * out_tok_stride + kv0 * group * out_head_stride;
-        const float *k_base = k_cache + kv0 * head_dim, *v_base = v_cache + kv0 * head_dim;
         const int64_t *table = block_tables + seq * table_stride + skipped / block_size;
         const float *item_sinks = sinks ? sinks + kv0 * group : NULL;
-#define DECODE_ITEM(D) decode_item(qh, q_head_stride, oh, out_head_stride, k_base, v_base, table, len, \
-                                   block_size, token_stride, D, group, nkv, scale, scores, hidden, softcap, \
-                                   item_sinks)
-        switch (head_dim) {  /* the common head sizes get unrolled copies */
-            case 64: DECODE_ITEM(64); break;
-            case 128: DECODE_ITEM(128); break;
-            default: DECODE_ITEM(head_dim); break;
+#define DECODE_ITEM(FN, T, D) FN(qh, q_head_stride, oh, out_head_stride, (const T *)k_cache + kv0 * head_dim,     \
+                                 (const T *)v_cache + kv0 * head_dim, table, len, block_size, token_stride, D, group, \
+                                 nkv, scale, scores, hidden, softcap, item_sinks)
+#define DECODE_ITEMS(FN, T)                                                    \
+        switch (head_dim) {  /* the common head sizes get unrolled copies */ \
+            case 64: DECODE_ITEM(FN, T, 64); break;                             \
+            case 128: DECODE_ITEM(FN, T, 128); break;                           \
+            default: DECODE_ITEM(FN, T, head_dim); break;                       \
         }
+        if (kv_bf16) {
+            DECODE_ITEMS(decode_item_bf16, uint16_t)
+        } else {
+            DECODE_ITEMS(decode_item, float)
+        }
+#undef DECODE_ITEMS
 #undef DECODE_ITEM
     }
     return failed;

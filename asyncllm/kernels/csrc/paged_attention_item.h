@@ -1,0 +1,100 @@
+/* paged_attention.h's work item, included once per KV-cache element type: the includer defines ITEM_NAME (the
+ * function), KV_T (the cache's element type), KV_DOT(q, k, n) (a float query row against n cache values),
+ * KV_AT(p, i) (one value as float) and, on AVX-512 builds, KV_LOAD16(p) (16 values as a __m512). */
+/* One work item: a decode's query heads that share KV heads [kv0, kv0 + nkv). Always inlined into
+ * call sites with a constant head_dim, so the compiler unrolls the dot products.
+ * Rows of query head qh = (kv0 + j) * group + g go to scores[(j * group + g) * len + t]; the
+ * heads' outputs are accumulated in acc[(j * group + g) * head_dim + i].
+ * `hidden`: the first keys the query may not see (a sliding window that starts inside the first
+ * block; the caller starts `table` at the window's first block); `softcap` > 0: scores become
+ * softcap * tanh(score / softcap) (Gemma 2). Both 0 for plain attention. `sinks` (NULL: none): one
+ * logit per output row (gpt-oss's attention sinks) that joins the softmax's denominator, attending to
+ * nothing. */
+static inline __attribute__((always_inline)) void ITEM_NAME(
+        const float *q, int64_t q_head_stride, float *out, int64_t out_head_stride,
+        const KV_T *k_base, const KV_T *v_base, const int64_t *table, int64_t len, int64_t block_size,
+        int64_t token_stride, const int64_t head_dim, int64_t group, int64_t nkv, float scale, float *scores,
+        int64_t hidden, float softcap, const float *sinks) {
+    const int64_t rows = nkv * group;
+    float *acc = scores + rows * len;
+    /* Block by block (no division per token); within a block the tokens' KV heads are contiguous,
+     * so the reads stream through memory. */
+    for (int64_t start = 0; start < len; start += block_size) {
+        const KV_T *k = k_base + table[start / block_size] * block_size * token_stride;
+        const int64_t n = block_tokens(start, len, block_size);
+        const int64_t next_n = block_tokens(start + block_size, len, block_size);
+        const KV_T *k_next = next_n ? k_base + table[start / block_size + 1] * block_size * token_stride : k;
+        for (int64_t o = 0; o < n; o++, k += token_stride) {
+            if (o < next_n) PREFETCH_ROW(k_next + o * token_stride, nkv * head_dim);
+            for (int64_t j = 0; j < nkv; j++)
+                for (int64_t g = 0; g < group; g++)
+                    scores[(j * group + g) * len + start + o] =
+                        KV_DOT(q + (j * group + g) * q_head_stride, k + j * head_dim, head_dim) * scale;
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * len;
+        if (softcap > 0.0f)
+            for (int64_t t = 0; t < len; t++) s[t] = softcap * tanhf(s[t] / softcap);
+        for (int64_t t = 0; t < hidden; t++) s[t] = -INFINITY;  /* exp gives 0: outside the window */
+        float max = s[hidden];
+#pragma omp simd reduction(max : max)
+        for (int64_t t = hidden + 1; t < len; t++) max = s[t] > max ? s[t] : max;
+        if (sinks && sinks[r] > max) max = sinks[r];
+        float sum = sinks ? expf(sinks[r] - max) : 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            s[t] = expf(s[t] - max);
+            sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0 && head_dim <= 256) {
+        /* One output row at a time with its accumulator in registers (head_dim / 16 vectors); the
+         * group's other rows re-read the same values from L2. */
+        for (int64_t j = 0; j < nkv; j++)
+            for (int64_t g = 0; g < group; g++) {
+                const float *p = scores + (j * group + g) * len;
+                __m512 a[16];
+                for (int64_t c = 0; c < head_dim / 16; c++) a[c] = _mm512_setzero_ps();
+                for (int64_t start = 0; start < len; start += block_size) {
+                    const KV_T *v = v_base + table[start / block_size] * block_size * token_stride + j * head_dim;
+                    const int64_t n = block_tokens(start, len, block_size);
+                    /* the first of the group's passes reads the values from DRAM: prefetch ahead */
+                    const int64_t next_n = g == 0 ? block_tokens(start + block_size, len, block_size) : 0;
+                    const KV_T *v_next =
+                        next_n ? v_base + table[start / block_size + 1] * block_size * token_stride + j * head_dim : v;
+                    for (int64_t o = 0; o < n; o++, v += token_stride) {
+                        if (o < next_n) PREFETCH_ROW(v_next + o * token_stride, head_dim);
+                        const __m512 w = _mm512_set1_ps(p[start + o]);
+                        for (int64_t c = 0; c < head_dim / 16; c++)
+                            a[c] = _mm512_fmadd_ps(w, KV_LOAD16(v + 16 * c), a[c]);
+                    }
+                }
+                float *dst = out + (j * group + g) * out_head_stride;
+                for (int64_t c = 0; c < head_dim / 16; c++) _mm512_storeu_ps(dst + 16 * c, a[c]);
+            }
+        return;
+    }
+#endif
+    memset(acc, 0, (size_t)(rows * head_dim) * sizeof(float));
+    for (int64_t start = 0; start < len; start += block_size) {
+        const KV_T *v = v_base + table[start / block_size] * block_size * token_stride;
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        for (int64_t o = 0; o < n; o++, v += token_stride)
+            for (int64_t j = 0; j < nkv; j++)
+                for (int64_t g = 0; g < group; g++) {
+                    const float p = scores[(j * group + g) * len + start + o];
+                    float *a = acc + (j * group + g) * head_dim;
+                    const KV_T *vj = v + j * head_dim;
+#pragma omp simd
+                    for (int64_t i = 0; i < head_dim; i++) a[i] += p * KV_AT(vj, i);
+                }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(out + r * out_head_stride, acc + r * head_dim, (size_t)head_dim * sizeof(float));
+}
+

@@ -141,6 +141,33 @@ def test_layer_forward_goes_through_the_c_kernel(monkeypatch):
 
 
 @needs_c_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_many_row_calls_under_bf16_multiply_a_transient_bf16_copy(monkeypatch, bits):
+    """bf16_rows (dtype="bfloat16"): calls of that many rows and more are bf16-rounded dequantized weights times
+    bf16-rounded activations in float32 sums, the bias added in float32; smaller calls keep the C kernel."""
+    lib = c4._library()
+    name = "int4_linear_f32" if bits == 4 else "uint8_linear_f32"
+    real, calls = getattr(lib, name), []
+    monkeypatch.setattr(lib, name, lambda *a: calls.append(a[2]) or real(*a))
+    packed, scales, zeros, b = _layer(48, 256, 64, True, bits=bits)
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(5))
+    for p in (None, perm):
+        layer = GroupQuantLinear(packed, scales, zeros, bits=bits, bias=b, perm=p)
+        layer.bf16_rows = 32
+        big, small = torch.randn(2, 20, 256), torch.randn(31, 256)  # 40 rows (leading dims), then 31
+        x = big if p is None else big[..., p]
+        weight = dequantize_groups(packed, scales, zeros, bits, torch.bfloat16)
+        expected = F.linear(x.to(torch.bfloat16), weight).float() + b
+        y = layer(big)
+        assert y.shape == (2, 20, 48) and y.dtype == torch.float32
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+        exact = _reference(x, packed, scales, zeros, b, bits)
+        assert (y - exact).abs().max() > 1e-4  # really rounded: not the float32 product
+        _assert_close(layer(small), _reference(small if p is None else small[:, p], packed, scales, zeros, b, bits))
+    assert calls == [31, 31]  # only the small calls reached the C kernel
+
+
+@needs_c_kernel
 def test_layer_with_threads_strides_and_leading_dims():
     packed, scales, zeros, b = _layer(300, 256, 32, True)
     layer = GroupQuantLinear(packed, scales, zeros, bits=4, bias=b)

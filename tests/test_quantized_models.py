@@ -12,7 +12,8 @@ import torch
 from asyncllm.toy import quantized as qc
 from asyncllm import LLM, SamplingParams
 from asyncllm.kernels.int8_linear import Int8Linear
-from asyncllm.kernels.quant_linear import Fp8Linear, GroupQuantLinear
+from asyncllm.kernels.quant_linear import GROUP_QUANT_BF16_ROWS, Fp8Linear, GroupQuantLinear
+from asyncllm.model.runner import _bf16_matmuls
 from checkpoints import random_prompts, reference_greedy, strong_peft_adapter
 
 NEW_TOKENS = 16
@@ -170,12 +171,14 @@ def test_dtype_bfloat16_holds_a_quantized_checkpoints_lm_head_as_bf16_panels(sou
     with torch.no_grad():
         reference.lm_head.weight.copy_(reference.lm_head.weight.to(torch.bfloat16))  # the tied table with it
     expected = reference_greedy(tmp_path / "twin", PROMPTS, NEW_TOKENS, model=reference)
-    with LLM(str(quantized), dtype="bfloat16", block_size=4) as llm:
+    # a float32 KV cache (the default under bfloat16 is bf16) and prompts under GROUP_QUANT_BF16_ROWS: exact
+    with LLM(str(quantized), dtype="bfloat16", block_size=4, kv_cache_dtype="float32") as llm:
         runner = llm.engine.runner
         assert {type(m) for m in _projections(llm)} == {GroupQuantLinear}
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     if panels_supported():
         assert runner.bf16_head and not runner.bf16_weights
+        assert all(m.bf16_rows == GROUP_QUANT_BF16_ROWS for m in _projections(llm)) or not _bf16_matmuls()
         head = runner.model.lm_head
         assert isinstance(head, PanelLinear) and head.panels.dtype == torch.bfloat16
         assert torch.equal(head.weight, reference.lm_head.weight)  # the head rounded to bf16, nothing else
@@ -183,3 +186,29 @@ def test_dtype_bfloat16_holds_a_quantized_checkpoints_lm_head_as_bf16_panels(sou
         assert got == expected
     else:  # no AVX-512 build: no panels, the float32 head as before
         assert not runner.bf16_weights
+
+
+def test_dtype_bfloat16_prefills_a_4_bit_checkpoint_through_bf16_copies(source, tmp_path, monkeypatch):
+    """A prompt of GROUP_QUANT_BF16_ROWS tokens or more under dtype="bfloat16": its 4-bit projections multiply a
+    transient bf16 copy of the weight (oneDNN), the model stays 4-bit, and the answer stays within bf16's rounding
+    of the float32 engine on the same checkpoint."""
+    from asyncllm.kernels.cpu_decode_stack import panels_supported
+
+    if not (panels_supported() and _bf16_matmuls()):
+        pytest.skip("the bf16 path is an AVX-512 build's with oneDNN bf16 matmuls (checked off elsewhere)")
+    quantized = qc.write_gptq(source, tmp_path / "q", bits=4, group_size=32, sym=True)
+    prompt = random_prompts("long-bf16", [GROUP_QUANT_BF16_ROWS + 20])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    calls = []
+    real = GroupQuantLinear._bf16_matmul
+    monkeypatch.setattr(GroupQuantLinear, "_bf16_matmul", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    with LLM(str(quantized), dtype="bfloat16") as llm:
+        assert {type(m) for m in _projections(llm)} == {GroupQuantLinear}
+        assert all(m.packed.dtype == torch.uint8 for m in _projections(llm))  # still packed: no dense copy kept
+        got = llm.generate(prompt, params)[0].outputs[0]
+    assert calls and min(calls) >= GROUP_QUANT_BF16_ROWS
+    with LLM(str(quantized), dtype="float32") as llm:
+        exact = llm.generate(prompt, params)[0].outputs[0]
+    assert got.token_ids[0] == exact.token_ids[0]
+    first, first_exact = (next(iter(o.logprobs[0].values())) for o in (got, exact))
+    assert first == pytest.approx(first_exact, abs=0.15) and first != first_exact

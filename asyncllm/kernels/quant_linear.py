@@ -31,6 +31,11 @@ from torch import nn
 
 from .cpu_int4_linear import int4_linear_cpu, uint8_linear_cpu
 
+# dtype="bfloat16" on CPU: calls of this many rows or more take the dequantize-to-bf16 path. Measured on SmolLM2's
+# shapes (docs/quantization.md): at 2,048 rows it is 5-6x the 4-bit kernel; dequantizing one layer costs 0.8-6 ms,
+# which the faster matmul repays from about 70-170 rows, so 256 leaves decode-sized mixed steps on the C kernel
+GROUP_QUANT_BF16_ROWS = 256
+
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """``[N, K // 2]`` uint8 nibbles as ``[N, K]`` uint8 values (low nibble first)."""
@@ -82,6 +87,9 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self.register_buffer("perm", None if perm is None else perm.long().contiguous())
         self.register_buffer("group_index", None if group_index is None else group_index.long().contiguous())
+        # dtype="bfloat16" on CPU (model/runner.py): calls of at least this many rows (prefill chunks) dequantize the
+        # weight to a transient bf16 copy and multiply through oneDNN's bf16 matmul; 0: never
+        self.bf16_rows = 0
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight, columns in stored (group-sorted) order."""
@@ -96,6 +104,8 @@ class GroupQuantLinear(nn.Module):
                 return y
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
+        if self.bf16_rows and x.is_cpu and x.dtype is torch.float32 and x.numel() >= self.bf16_rows * x.shape[-1]:
+            return self._bf16_matmul(x)
         if x.is_cpu and x.dtype is torch.float32:
             # the C kernel (cpu_int4_linear), straight from the packed weight; None where it does not apply.
             # The buffers come from one dict: nn.Module's attribute lookup costs ~0.6 us each, next to a
@@ -109,6 +119,13 @@ class GroupQuantLinear(nn.Module):
                     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def _bf16_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """A many-row call under dtype="bfloat16": bf16-rounded dequantized weights times bf16-rounded activations,
+        float32 sums (oneDNN), float32 out. The dense copy lives for this call only (one layer's weight), so the
+        model stays 4-bit in memory; at prefill sizes the dequantization is a few percent of the matmul."""
+        y = F.linear(x.to(torch.bfloat16), self.dequantize(torch.bfloat16)).float()
+        return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "

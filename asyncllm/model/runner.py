@@ -30,7 +30,7 @@ from .image_embeddings import ImageEmbeddings
 from .mixed_steps import MixedSplit, split_mixed
 from ..platform import Platform, decide_platform
 from .loader import load_weights
-from ..kernels.quant_linear import Fp8Linear, GroupQuantLinear
+from ..kernels.quant_linear import GROUP_QUANT_BF16_ROWS, Fp8Linear, GroupQuantLinear
 from .layers import finish_layers, use_checkpoint_quantization, use_int8
 from .quant_formats import check_requested, checkpoint_format, requested_format
 from .quantization import WeightFormat, decide_weight_format, int8_tied_head
@@ -115,6 +115,12 @@ class ModelRunner:
                               and _int8_bf16_dot_here())
         if self.int8_bf16_dot:
             _use_int8_bf16_dot(self.model)
+        # ... and on 4- or 8-bit zero-point checkpoints (GPTQ, AWQ, compressed-tensors pack-quantized): prefill-sized
+        # calls through a transient bf16 copy and oneDNN's bf16 matmul (decode steps keep the C kernels)
+        if self.bf16_head and not self.bf16_weights and _bf16_matmuls():
+            for module in self.model.modules():
+                if isinstance(module, GroupQuantLinear):
+                    module.bf16_rows = GROUP_QUANT_BF16_ROWS
         self.kv_dtype = self._kv_cache_dtype(config)
         self.num_blocks = self._agree_num_blocks(config, max_model_len)
         # every running sequence's block table, kept across steps (engine/block_tables.py)

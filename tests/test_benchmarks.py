@@ -513,3 +513,23 @@ def test_image_stall_tiny_run(capsys):
     assert ahead["encoder_token_budget"] == 1 and ahead["stages_run"] == 2  # CLIP's feature layer is the 2nd of 3
     assert whole["images_encoded"] == ahead["images_encoded"] == 2  # the warm-up image and the stream's
     assert len(capsys.readouterr().out.strip().splitlines()) == 2
+
+
+def test_bf16_decode_tiles_tiny_run(model_dir_factory, tmp_path, capsys):
+    """The bf16 decode-step comparison at toy size: every way this machine has gets a time per step for every
+    batch, the ways it lacks are named with the reason, and the AMX threshold is back as it was afterwards."""
+    from asyncllm.kernels.cpu_decode_stack import amx_rows
+    from benchmarks import bf16_decode_tiles
+
+    before = amx_rows()
+    out = tmp_path / "tiles.json"
+    assert bf16_decode_tiles.main(["--model-dir", str(model_dir_factory("llama")), "--batches", "2,16",
+                                   "--rounds", "1", "--new-tokens", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert amx_rows() == before == report["amx_rows"]
+    assert [r["batch"] for r in report["rows"]] == [2, 16]
+    ways = [w for w in ("amx", "vdpbf16ps", "onednn") if w not in report["skipped"]]
+    assert "onednn" in ways
+    for row in report["rows"]:
+        assert all(0 < row[f"{w}_ms"][0] <= row[f"{w}_ms"][1] for w in ways)
+    assert "B=16:" in capsys.readouterr().out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.kernels.cpu_decode_stack import bf16_dot_rows, pair_panels_bf16, panels_supported
+from asyncllm.kernels.cpu_decode_stack import amx_calls, amx_rows, bf16_dot_rows, pair_panels_bf16, panels_supported, set_amx_rows
 from asyncllm.kernels.cpu_panel_linear import PanelEmbedding, PanelLinear
 from checkpoints import load_reference_model, random_prompts, reference_greedy
 
@@ -119,6 +119,44 @@ def test_bf16_panel_head_against_float32_on_rounded_weights(rows, width):
         torch.testing.assert_close(bf16(x), x @ weight.T, rtol=0.02, atol=0.15)
 
 
+@pytest.mark.skipif(not amx_rows(), reason="AMX tiles need an AMX-BF16 build and the OS's grant of the tile state")
+@pytest.mark.parametrize("rows", [8, 16, 17, 33, 64])
+@pytest.mark.parametrize("width", [64, 96, 70])  # 70: 35 pairs, not whole tiles (the vdpbf16ps tiles instead)
+def test_amx_tiles_equal_bf16_dot_products_up_to_summation_order(rows, width):
+    """From amx_rows() rows the bf16 panels multiply in AMX tiles (rows padded to whole tiles of 16): float32
+    arithmetic on bf16-rounded activations and weights up to summation order, like the vdpbf16ps tiles."""
+    torch.manual_seed(rows * width)
+    weight = torch.randn(100, width).to(torch.bfloat16).float()
+    x = torch.randn(rows, width)
+    head = PanelLinear(weight, bf16=True)
+    calls = amx_calls()
+    tiles = head(x)
+    assert (amx_calls() > calls) == (rows >= amx_rows() and width != 70)
+    before = amx_rows()
+    set_amx_rows(0)
+    try:
+        assert amx_rows() == 0
+        calls = amx_calls()
+        dots = head(x)
+        assert amx_calls() == calls
+    finally:
+        assert set_amx_rows(before) == before
+    rounded = x.to(torch.bfloat16).float() @ weight.T
+    torch.testing.assert_close(tiles, rounded, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(tiles, dots, rtol=1e-5, atol=1e-4)
+    if width == 70:
+        assert torch.equal(tiles, dots)
+
+
+def test_amx_threshold_switches_off_and_back():
+    before = amx_rows()
+    assert set_amx_rows(0) == 0 and amx_rows() == 0
+    assert set_amx_rows(before) == before == amx_rows()
+    if before:
+        assert set_amx_rows(1) == bf16_dot_rows()  # never below the rows that have bf16 activations
+        set_amx_rows(before)
+
+
 def test_paired_panels_hold_each_weight_pair_side_by_side():
     weight = torch.arange(40 * 5, dtype=torch.float32).reshape(40, 5)  # small integers: exact in bf16
     panels = pair_panels_bf16(weight)
@@ -129,12 +167,29 @@ def test_paired_panels_hold_each_weight_pair_side_by_side():
     assert torch.equal(embedding(torch.tensor([[35, 0], [39, 7]])), weight[torch.tensor([[35, 0], [39, 7]])])
 
 
+@pytest.fixture
+def amx_off():
+    """AMX tiles switched off for one test (the vdpbf16ps tiles instead), back on after it."""
+    before = amx_rows()
+    set_amx_rows(0)
+    yield
+    set_amx_rows(before)
+
+
 @pytest.mark.skipif(not bf16_dot_rows(), reason="bf16 dot products are an AVX512-BF16 build's")
+@pytest.mark.parametrize("tiles", ["amx", "vdpbf16ps"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_many_row_decode_steps_in_bf16_dot_products_stay_close_to_float32(model_dirs, kind):
+def test_many_row_decode_steps_in_bf16_dot_products_stay_close_to_float32(model_dirs, kind, tiles, request):
     """Decode steps of bf16_dot_rows() rows and more multiply bf16 activations: every sequence's log-probabilities
     within a tolerance of transformers' float32 on the rounded weights, most greedy tokens the same, and the
-    steps went through the decode stack's dot-product path (with as many rows)."""
+    steps went through the decode stack's dot-product path (with as many rows). Once in AMX tiles (where the
+    build and the OS have them; the toy models' widths are whole tiles), once in vdpbf16ps tiles."""
+    if tiles == "amx" and not amx_rows():
+        pytest.skip("AMX tiles need an AMX-BF16 build and the OS's grant of the tile state")
+    if tiles == "vdpbf16ps":
+        request.getfixturevalue("amx_off")
+    assert not amx_rows() or amx_rows() <= 12  # 12 rows below take the tiles when they are on
+    calls = amx_calls()
     model_dir = model_dirs[kind]
     prompts = [[t] for t in range(17, 17 + 7 * 12, 7)]  # 12 one-token prompts: decode steps of 12 rows
     reference = _rounded_reference(model_dir)
@@ -147,6 +202,7 @@ def test_many_row_decode_steps_in_bf16_dot_products_stay_close_to_float32(model_
     params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=0)
     outputs = llm.generate(prompts, params)
     assert max(rows) == len(prompts) >= bf16_dot_rows()
+    assert (amx_calls() > calls) == (tiles == "amx")
     tokens = [o.outputs[0].token_ids for o in outputs]
     agree = sum(a == b for t, e in zip(tokens, expected) for a, b in zip(t, e)) / sum(map(len, expected))
     assert agree >= 0.75, agree

@@ -65,7 +65,10 @@ _SIGNATURES = (("decode_stack_f32", (ctypes.POINTER(_Layer), _i64, _int, _i64, _
                ("decode_stack_panels", (), _int),
                ("panel_linear_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int),
                ("panel_linear_bf16", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int), _int),
-               ("decode_stack_dp_rows", (), _int))
+               ("decode_stack_dp_rows", (), _int),
+               ("decode_stack_amx_rows", (), _int),
+               ("decode_stack_set_amx_rows", (_int,), _int),
+               ("decode_stack_amx_calls", (), _i64))
 
 
 def _library() -> ctypes.CDLL | None:
@@ -88,6 +91,27 @@ def bf16_dot_rows() -> int:
     activations rounded to bf16), or 0 where this build has no AVX512-BF16 (float32 activations always)."""
     lib = _library()
     return int(lib.decode_stack_dp_rows()) if lib is not None else 0
+
+
+def amx_rows() -> int:
+    """The fewest rows of a step for which bf16 panels multiply in AMX tiles (``tdpbf16ps``), or 0 where the
+    build has no AMX-BF16, the OS did not grant the tile state, or :func:`set_amx_rows` switched them off."""
+    lib = _library()
+    return int(lib.decode_stack_amx_rows()) if lib is not None else 0
+
+
+def amx_calls() -> int:
+    """How many projections (counted once per thread) multiplied in AMX tiles in this process: how tests and
+    benchmarks see that the tiles did the work."""
+    lib = _library()
+    return int(lib.decode_stack_amx_calls()) if lib is not None else 0
+
+
+def set_amx_rows(rows: int) -> int:
+    """Sets the fewest rows that use AMX tiles (0 = off; the process-wide switch benchmarks turn) where the
+    OS granted them; returns the threshold in force."""
+    lib = _library()
+    return int(lib.decode_stack_set_amx_rows(int(rows))) if lib is not None else 0
 
 
 def pair_panels_bf16(weight: torch.Tensor) -> torch.Tensor:

@@ -521,6 +521,89 @@ static const panel_tile_dp_fn panel_tiles_dp[PANEL_ROWS + 1] = {
     panel_tile_dp_7, panel_tile_dp_8, panel_tile_dp_9, panel_tile_dp_10, panel_tile_dp_11, panel_tile_dp_12};
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* AMX tiles (tdpbf16ps) for bf16 panels at steps of at least AMX_MIN_ROWS rows (the steps vdpbf16ps would take).
+ * One tile multiply is 16 rows x 16 columns x 32 inputs, 16x the multiply-adds of a vdpbf16ps, so the weights'
+ * bytes, not the arithmetic, bound such a step again (SmolLM2-135M, 32 rows: 20 ms a step against 60 with
+ * vdpbf16ps; docs/cpu.md). The paired panels are already the layout a B tile wants: a pair row of a panel is
+ * 32 columns x 2 values, so 16 pair rows of one half of a panel load as a 16 x 64-byte tile with a stride of
+ * 128 bytes; the activations, as bf16 pairs (pair_rows_bf16), are the A tiles, padded with zero rows to whole
+ * tiles of 16. Tiles 0-3 accumulate (two row blocks x two column halves), 4-5 hold activations, 6-7 weights.
+ * Linux grants the 8 KiB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
+ * without the grant the first tile instruction raises SIGILL, so the library asks once when loaded and keeps
+ * the vdpbf16ps tiles where the answer is no. Inputs whose pairs are not whole tiles (K not a multiple of 32)
+ * keep them too. */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 8
+#endif
+static int amx_granted = 0, amx_rows = 0; /* amx_rows: the fewest rows that use tiles, 0 = off */
+static int64_t amx_calls = 0;            /* projections (per thread) that used tiles: what tests observe */
+static void __attribute__((constructor)) amx_ask(void) {
+    amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    amx_rows = amx_granted ? AMX_MIN_ROWS : 0;
+}
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+/* every tile 16 rows x 64 bytes; once per projection and thread (the configuration is per thread) */
+static void amx_configure(void) {
+    tile_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+static inline int use_amx(int64_t M, int64_t K) { return amx_rows > 0 && M >= amx_rows && ((K + 1) / 2) % 16 == 0; }
+/* out[16 or 32][PANEL] = 16 (two = 0) or 32 rows of bf16 pairs xp[.][pairs] times one paired panel P */
+static __attribute__((noinline)) void panel_amx(const uint32_t *xp, int64_t pairs, const uint16_t *P, float *out,
+                                                int two) {
+    const size_t xs = (size_t)pairs * 4, ws = 4 * PANEL;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kp = 0; kp < pairs; kp += 16) {
+            const uint16_t *w = P + 2 * PANEL * kp;
+            _tile_loadd(6, w, ws);
+            _tile_loadd(7, w + 32, ws);
+            _tile_loadd(4, xp + kp, xs);
+            _tile_loadd(5, xp + 16 * pairs + kp, xs);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, out + 16 * PANEL, 4 * PANEL);
+        _tile_stored(3, out + 16 * PANEL + 16, 4 * PANEL);
+    } else {
+        for (int64_t kp = 0; kp < pairs; kp += 16) {
+            const uint16_t *w = P + 2 * PANEL * kp;
+            _tile_loadd(6, w, ws);
+            _tile_loadd(7, w + 32, ws);
+            _tile_loadd(4, xp + kp, xs);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, out, 4 * PANEL);
+    _tile_stored(1, out + 16, 4 * PANEL);
+}
+#endif
+
+/* Rows of bf16-pair scratch a step of M rows needs: whole AMX tiles where tiles may take it. */
+static inline int64_t pair_rows_needed(int64_t M) {
+#ifdef HAVE_AMX
+    if (amx_rows > 0 && M >= amx_rows) return (M + 15) / 16 * 16;
+#endif
+    return M;
+}
+
 /* y[m][n] = x[m] . W[n] (+ bias) with W in float32 panels; the threads split the panels, each panel goes
  * through the rows in tiles of at most PANEL_ROWS, balanced (32 rows: 10 + 11 + 11). */
 static void project_panels(const float *x, int64_t M, int64_t K, const float *W, const float *bias, float *y,
@@ -558,14 +641,37 @@ static void project_panels_bf16(const float *x, int64_t M, int64_t K, const uint
     const int64_t panels = (N + PANEL - 1) / PANEL, tiles = (M + PANEL_ROWS - 1) / PANEL_ROWS, pairs = (K + 1) / 2;
     const int64_t stride = 2 * PANEL * pairs; /* 16-bit values per panel */
     const int dp = use_dp(M);
+#ifdef HAVE_AMX
+    const int amx = use_amx(M, K);
+#endif
 #ifdef __AVX512BF16__
     if (dp) pair_rows_bf16(x, M, K, xp); /* every thread for itself: M * K values, cheaper than a barrier */
 #else
     (void)xp;
 #endif
+#ifdef HAVE_AMX
+    if (amx) {
+        memset(xp + M * pairs, 0, (size_t)((pair_rows_needed(M) - M) * pairs) * sizeof(uint32_t));
+        amx_configure();
+        __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
+    }
+#endif
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+#ifdef HAVE_AMX
+        if (amx) {
+            float out[32 * PANEL] __attribute__((aligned(64)));
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+                const int64_t m1 = M - m0 < 32 ? M : m0 + 32;
+                panel_amx(xp + m0 * pairs, pairs, W + p * stride, out, m1 - m0 > 16);
+                for (int64_t m = m0; m < m1; m++)
+                    for (int64_t j = 0; j < cols; j++)
+                        y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
+            }
+            continue;
+        }
+#endif
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
             float out[PANEL_ROWS * PANEL];
@@ -580,6 +686,9 @@ static void project_panels_bf16(const float *x, int64_t M, int64_t K, const uint
                     y[m * N + n0 + j] = out[(m - m0) * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
         }
     }
+#ifdef HAVE_AMX
+    if (amx) _tile_release(); /* after the loop's barrier: a thread's tile state goes back to init */
+#endif
 }
 #endif
 
@@ -589,7 +698,7 @@ int panel_linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, c
                       int num_threads) {
 #ifdef __AVX512F__
     if (num_threads < 1) num_threads = 1;
-    const size_t per_thread = use_dp(M) ? (size_t)(M * ((K + 1) / 2) + 16) : 0;
+    const size_t per_thread = use_dp(M) ? (size_t)(pair_rows_needed(M) * ((K + 1) / 2) + 16) : 0;
     uint32_t *xp = per_thread ? (uint32_t *)malloc((size_t)num_threads * per_thread * sizeof(uint32_t)) : NULL;
     if (per_thread && !xp) return 2;
 #pragma omp parallel num_threads(num_threads)
@@ -606,6 +715,36 @@ int panel_linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, c
 #else
     (void)x, (void)M, (void)K, (void)W, (void)bias, (void)y, (void)N, (void)num_threads;
     return 1;
+#endif
+}
+
+/* The fewest rows for which bf16 panels multiply in AMX tiles, or 0 where this build or the OS has none, or they
+ * are switched off. */
+int decode_stack_amx_rows(void) {
+#ifdef HAVE_AMX
+    return amx_rows;
+#else
+    return 0;
+#endif
+}
+
+/* How many projections (counted once per thread) multiplied in AMX tiles since the library was loaded. */
+int64_t decode_stack_amx_calls(void) {
+#ifdef HAVE_AMX
+    return __atomic_load_n(&amx_calls, __ATOMIC_RELAXED);
+#else
+    return 0;
+#endif
+}
+
+/* Sets that threshold (0 = off; below DP_MIN_ROWS counts as DP_MIN_ROWS) where tiles were granted; returns it. */
+int decode_stack_set_amx_rows(int rows) {
+#ifdef HAVE_AMX
+    if (amx_granted) amx_rows = rows <= 0 ? 0 : rows < DP_MIN_ROWS ? DP_MIN_ROWS : rows;
+    return amx_rows;
+#else
+    (void)rows;
+    return 0;
 #endif
 }
 
@@ -842,7 +981,7 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
     const size_t shared = ROUND16(M * (QKV + Q + H + 2 * I));
     /* bf16 dot products: each thread's activations as bf16 pairs (M rows of the widest input) */
     const int64_t widest = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
-    const size_t xp_floats = bf16 && use_dp(M) ? ROUND16(M * ((widest + 1) / 2)) : 0;
+    const size_t xp_floats = bf16 && use_dp(M) ? ROUND16(pair_rows_needed(M) * ((widest + 1) / 2)) : 0;
     const size_t private_floats = ROUND16(M * (2 * H + I) + per_kv * (longest + D)) + xd_floats + ps_floats + xp_floats;
     float *scratch = (float *)aligned_alloc(64, (shared + (size_t)num_threads * private_floats) * sizeof(float));
     if (!scratch) return 1;

@@ -42,6 +42,9 @@ def run_backend(batch):
     pytest.param(8, 1, 128, 16, id="mqa-d128-bs16"),
     pytest.param(6, 2, 48, 8, id="gqa3-d48-bs8"),   # no unrolled copy for 48; still the vector path
     pytest.param(4, 2, 40, 8, id="gqa2-d40-bs8"),   # not a multiple of 16: the portable loops
+    # the vector scores take keys in eights and heads in threes: a group of 5 (3 + 2), blocks of 12 (8 + 4)
+    pytest.param(10, 2, 64, 12, id="gqa5-d64-bs12"),
+    pytest.param(4, 2, 256, 16, id="gqa2-d256-bs16"),  # over 128: the values one head at a time
 ])
 def test_mixed_batch_equals_reference(heads, kv_heads, head_dim, block_size):
     batch = cpu_batch(MIXED, heads, kv_heads, head_dim, block_size)

@@ -904,16 +904,16 @@ static void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
     }
 }
 
-/* The query heads of kv head kvh (per_kv of them) of one row attend over its n cached keys and
- * values: paged_attention.h's loop, shared with the module path's decode kernel. scores: per_kv * (n + D)
- * floats of scratch. */
-static void attend(const layer_t *L, int kv_bf16, const float *qkv_row, float *out_row, int64_t kvh, int64_t per_kv,
-                   int64_t n, const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t D, float scale,
-                   float *scores) {
+/* The query heads of kv heads kvh .. kvh + nkv - 1 (per_kv each) of one row attend over its n cached keys
+ * and values: paged_attention.h's loop, shared with the module path's decode kernel. scores: nkv * per_kv *
+ * (n + D) floats of scratch. */
+static void attend(const layer_t *L, int kv_bf16, const float *qkv_row, float *out_row, int64_t kvh, int64_t nkv,
+                   int64_t per_kv, int64_t n, const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t D,
+                   float scale, float *scores) {
     const float *q = qkv_row + kvh * per_kv * D;
     float *out = out_row + kvh * per_kv * D;
 #define ATTEND(FN, T, DIM) FN(q, D, out, D, (const T *)L->k_cache + kvh * D, (const T *)L->v_cache + kvh * D, table, n, \
-                              block_size, kv_heads * D, DIM, per_kv, 1, scale, scores, 0, 0.0f, NULL)
+                              block_size, kv_heads * D, DIM, per_kv, nkv, scale, scores, 0, 0.0f, NULL)
 #define ATTENDS(FN, T)                                             \
     switch (D) { /* the common head sizes get unrolled copies */ \
         case 64: ATTEND(FN, T, 64); break;                         \
@@ -982,7 +982,11 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
     /* bf16 dot products: each thread's activations as bf16 pairs (M rows of the widest input) */
     const int64_t widest = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
     const size_t xp_floats = bf16 && use_dp(M) ? ROUND16(pair_rows_needed(M) * ((widest + 1) / 2)) : 0;
-    const size_t private_floats = ROUND16(M * (2 * H + I) + per_kv * (longest + D)) + xd_floats + ps_floats + xp_floats;
+    /* attention's work items: whole rows (all kv heads: each cache block read front to back) when there are
+       enough rows to keep every thread busy, else one kv head of a row, so a few rows still spread */
+    const int64_t nkv = M >= 4 * (int64_t)num_threads ? kv_heads : 1, items = M * (kv_heads / nkv);
+    const size_t private_floats =
+        ROUND16(M * (2 * H + I) + nkv * per_kv * (longest + D)) + xd_floats + ps_floats + xp_floats;
     float *scratch = (float *)aligned_alloc(64, (shared + (size_t)num_threads * private_floats) * sizeof(float));
     if (!scratch) return 1;
     float *qkv = scratch, *attn = qkv + M * QKV, *delta = attn + M * Q, *gate_up = delta + M * H;
@@ -1015,18 +1019,21 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
             for (int64_t m = 0; m < M; m++) rms_norm_row(x + m * H, L->input_norm, eps, H, normed + m * H);
             PROJECT(normed, H, qkv, g_h, L->qkv_bias, qkv, QKV);
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < M * kv_heads; task++) {
-                /* one (row, kv head): rope and cache its key/value, then its query heads attend */
-                const int64_t m = task / kv_heads, kvh = task % kv_heads;
+            for (int64_t item = 0; item < items; item++) {
+                /* one row's kv heads kv0 .. kv0 + nkv - 1: rope and cache their keys/values, then their query
+                   heads attend (a row reads only its own new keys, written just above by this item) */
+                const int64_t m = item / (kv_heads / nkv), kv0 = item % (kv_heads / nkv) * nkv;
                 float *row = qkv + m * QKV;
                 const float *c = cos_table + positions[m] * D, *s = sin_table + positions[m] * D;
-                float *k = row + Q + kvh * D;
-                rope_head(k, c, s, D);
-                for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++) rope_head(row + h * D, c, s, D);
-                store_kv_row(L->k_cache, kv_bf16, slots[m] * KV + kvh * D, k, D);
-                store_kv_row(L->v_cache, kv_bf16, slots[m] * KV + kvh * D, row + Q + KV + kvh * D, D);
+                for (int64_t kvh = kv0; kvh < kv0 + nkv; kvh++) {
+                    float *k = row + Q + kvh * D;
+                    rope_head(k, c, s, D);
+                    for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++) rope_head(row + h * D, c, s, D);
+                    store_kv_row(L->k_cache, kv_bf16, slots[m] * KV + kvh * D, k, D);
+                    store_kv_row(L->v_cache, kv_bf16, slots[m] * KV + kvh * D, row + Q + KV + kvh * D, D);
+                }
                 if (!chained)
-                    attend(L, kv_bf16, row, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride,
+                    attend(L, kv_bf16, row, attn + m * Q, kv0, nkv, per_kv, seq_lens[m], block_tables + m * table_stride,
                            block_size, kv_heads, D, scale, scores);
             }
             if (chained) {
@@ -1036,8 +1043,8 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
 #pragma omp for schedule(static)
                 for (int64_t task = 0; task < M * kv_heads; task++) {
                     const int64_t m = task / kv_heads, kvh = task % kv_heads;
-                    attend(L, kv_bf16, qkv + m * QKV, attn + m * Q, kvh, per_kv, seq_lens[m], block_tables + m * table_stride,
-                           block_size, kv_heads, D, scale, scores);
+                    attend(L, kv_bf16, qkv + m * QKV, attn + m * Q, kvh, 1, per_kv, seq_lens[m],
+                           block_tables + m * table_stride, block_size, kv_heads, D, scale, scores);
                 }
             }
             PROJECT(attn, Q, o, g_q, NULL, delta, H);

@@ -281,3 +281,36 @@ def test_int8_weights_under_bfloat16_multiply_in_bf16_dot_products(model_dirs):
     assert sum(diffs) / len(diffs) < 0.25 and max(diffs) < 2.0, (sum(diffs) / len(diffs), max(diffs))
     if bf16_dot_available():  # the 64-token prompt's prefill went through the bf16 products: not the same bits
         assert any(d > 0 for d in diffs)
+
+
+@pytest.mark.skipif(not panels_supported(), reason="the bf16-weight path is an AVX-512 build's")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2's q/k/v biases keep the float32 path
+def test_bf16_prefill_attention_equals_the_float32_attention_path(model_dirs, kind, monkeypatch):
+    """Where prefill SDPA runs in bf16 (AMX CPUs; forced here), a plain layer keeps q, k, v bf16 from the qkv
+    matmul to the o projection: the same prompt logprobs and tokens, bit for bit, as the float32 path that
+    converts in between."""
+    from asyncllm.kernels import cpu_attention
+    from asyncllm.model.decoder import Attention
+
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda: True)
+    native = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+    prompts = random_prompts(f"bf16-attn-{kind}", [5, 17, 17, 40, 64])  # two of one shape: one SDPA call
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    calls = []
+    fused = Attention._forward_bf16_prefill
+    monkeypatch.setattr(Attention, "_forward_bf16_prefill", lambda self, *a: (calls.append(1), fused(self, *a))[1])
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(Attention, "bf16_prefill", on)
+        llm = LLM(str(model_dirs[kind]), dtype="bfloat16")
+        assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+        outputs = llm.generate(prompts, params)
+        results[on] = [(o.outputs[0].token_ids, o.prompt_logprobs[1:]) for o in outputs]
+        llm.close()
+        if on:
+            taken = len(calls)
+    assert results[True] == results[False]
+    if kind == "llama" and native:
+        assert taken > 0 and len(calls) == taken  # the fused path ran only while switched on
+    else:
+        assert taken == 0

@@ -92,6 +92,28 @@ def test_rotary_in_place_on_qkv_views(tokens, threads):
         fused(ops.rotary_embedding, torch.full((tokens,), 1000), q, k, cos, sin)
 
 
+@pytest.mark.parametrize("tokens", [4, 600])
+def test_bf16_rotary_equals_the_float32_rotary_rounded_once(tokens, threads):
+    """The bf16 prefill attention's rope (model/decoder.py): bf16 q/k views rotated in place with float32
+    arithmetic and one rounding, bit for bit the float32 kernel's result on the widened values, rounded."""
+    heads, kv_heads, dim = 9, 3, 64
+    positions = torch.randint(0, 1000, (tokens,))
+    angles = torch.outer(torch.arange(1000.0), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    wide_q, wide_k = q.float().contiguous(), k.float().contiguous()
+    cpu_ops.rotary_embedding_(positions, wide_q, wide_k, cos, sin)
+    v_before = v.clone()
+    cpu_ops.rotary_embedding_(positions, q, k, cos, sin)
+    assert torch.equal(q, wide_q.to(torch.bfloat16)) and torch.equal(k, wide_k.to(torch.bfloat16))
+    assert torch.equal(v, v_before)
+    with pytest.raises(IndexError, match="outside the rotary tables"):
+        cpu_ops.rotary_embedding_(torch.full((tokens,), 1000), q, k, cos, sin)
+
+
 def test_only_float32_cpu_tensors_take_the_fused_path():
     x = torch.randn(2, 8)
     assert not ops.use_cpu(x)  # not enabled outside cpu_ops()

@@ -44,7 +44,10 @@ def _bf16_backend_run(batch):
     pytest.param(6, 2, 48, 8, id="gqa3-d48-bs8"),     # no unrolled copy for 48
     pytest.param(4, 2, 40, 8, id="gqa2-d40-bs8"),     # not a multiple of 16: the portable loops
 ])
-def test_bf16_cache_equals_reference_over_the_widened_cache(heads, kv_heads, head_dim, block_size):
+def test_bf16_cache_equals_reference_over_the_widened_cache(heads, kv_heads, head_dim, block_size, monkeypatch):
+    from asyncllm.kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda: False)  # float32 prefill SDPA (AMX CPUs: below)
     batch = paged_batch(MIXED, heads, kv_heads, head_dim, block_size, torch.float32, seed=3)
     out, k_cache, v_cache, scale = _bf16_backend_run(batch)
     assert k_cache.dtype == v_cache.dtype == torch.bfloat16
@@ -58,6 +61,25 @@ def test_bf16_cache_equals_reference_over_the_widened_cache(heads, kv_heads, hea
     exact = reference_attention(batch, *_float_cache_after_write(batch), scale)
     diff = (out - exact).abs().max().item()
     assert 0 < diff < 0.05
+
+
+def test_prefill_over_a_bf16_cache_attends_in_bf16_where_amx_says_so(monkeypatch):
+    """On AMX CPUs (forced here) prefill SDPA over a bf16 cache runs in bf16: its rows within bf16's rounding of the
+    float32 reference over the same cache; the decode rows still come from the C kernel in float32, exactly."""
+    from asyncllm.kernels import cpu_attention
+
+    batch = paged_batch(MIXED, 8, 2, 64, 16, torch.float32, seed=3)
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda: True)
+    out, k_cache, v_cache, scale = _bf16_backend_run(batch)
+    assert CpuAttentionBackend.prefill_dtype(batch.query, k_cache) == torch.bfloat16
+    assert CpuAttentionBackend.prefill_dtype(batch.query, k_cache.float()) is None  # a float32 cache: float32
+    ref = reference_attention(batch, k_cache.float(), v_cache.float(), scale)
+    meta = batch.meta()
+    decode_rows = [meta.query_start[i] for i in meta.decode_indices]
+    prefill_rows = [r for i in meta.prefill_indices for r in range(meta.query_start[i], meta.query_start[i + 1])]
+    torch.testing.assert_close(out[decode_rows], ref[decode_rows], atol=2e-5, rtol=2e-5)
+    diff = (out[prefill_rows] - ref[prefill_rows]).abs().max().item()
+    assert 0 < diff < 0.05, diff
 
 
 def _float_cache_after_write(batch):

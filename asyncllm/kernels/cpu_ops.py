@@ -19,6 +19,7 @@ _ELEMENTWISE = (
     ("silu_and_mul_f32", (_ptr, _ptr, _i64, _ptr, _i64, _i64, _int), None),
     ("silu_and_mul_bf16", (_ptr, _ptr, _i64, _ptr, _i64, _i64, _int), None),
     ("rotary_f32", (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int), _int),
+    ("rotary_bf16", (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int), _int),
 )
 _SAMPLING = (("greedy_pick_f32", (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int), _int),)
 _LORA = (("lora_apply_f32", (_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _int),
@@ -135,9 +136,15 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> None:
-    """Rotate q and k ([tokens, heads, head_dim], heads contiguous) in place by the angles at ``positions``."""
+    """Rotate q and k ([tokens, heads, head_dim], heads contiguous) in place by the angles at ``positions``: float32,
+    or both bfloat16 (float32 arithmetic, rounded once; the tables stay float32)."""
+    bf16 = q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
     for name, t in (("q", q), ("k", k)):
-        _check(name, t)
+        if bf16:
+            if t.device.type != "cpu" or t.stride(-1) != 1:
+                raise ValueError(f"{name} must be a CPU tensor with a contiguous last dimension")
+        else:
+            _check(name, t)
         if t.dim() != 3 or t.stride(1) != t.shape[2]:
             raise ValueError(f"{name} must be [tokens, heads, head_dim] with contiguous heads")
     for name, t in (("cos", cos), ("sin", sin)):
@@ -146,9 +153,9 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             raise ValueError(f"{name} must be a contiguous [positions, head_dim] table")
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         raise TypeError("positions must be a contiguous int64 tensor")
-    if _library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
-                             q.shape[2], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-                             q.shape[0], torch.get_num_threads()):
+    kernel = _library().rotary_bf16 if bf16 else _library().rotary_f32
+    if kernel(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[2],
+              positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], q.shape[0], torch.get_num_threads()):
         raise IndexError(f"a position is outside the rotary tables (0..{cos.shape[0] - 1})")
 
 

@@ -24,6 +24,10 @@ def _as_query(cached: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return cached if cached.dtype == query.dtype else cached.to(query.dtype)
 
 
+def _in(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
@@ -152,21 +156,25 @@ class TorchAttentionBackend:
         self.run_prefills(meta.backend_state.prefills, query, k_cache, v_cache, meta, scale, output)
         return output
 
-    def run_prefills(self, plan: PrefillPlan, query, k_cache, v_cache, meta, scale, output) -> None:
+    def run_prefills(self, plan: PrefillPlan, query, k_cache, v_cache, meta, scale, output,
+                     compute_dtype: torch.dtype | None = None) -> None:
+        """The step's prefill chunks through SDPA, in ``compute_dtype`` (default: the query's dtype; the cache's
+        values and the query are converted to it, the outputs back to ``output``'s)."""
         for group in plan.groups:
-            self._prefill_group(group, query, k_cache, v_cache, scale, output)
+            self._prefill_group(group, query, k_cache, v_cache, scale, output, compute_dtype)
         for i in plan.singles:
-            self._prefill(i, query, k_cache, v_cache, meta, scale, output)
+            self._prefill(i, query, k_cache, v_cache, meta, scale, output, compute_dtype)
 
     @staticmethod
-    def _prefill_group(group: PrefillGroup, query, k_cache, v_cache, scale, output) -> None:
+    def _prefill_group(group: PrefillGroup, query, k_cache, v_cache, scale, output, compute_dtype=None) -> None:
         n, (_, _, kv_heads, dim) = group.num_seqs, k_cache.shape
         k = k_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
         v = v_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
-        k, v = _as_query(k, query), _as_query(v, query)
         q = query.index_select(0, group.rows).view(n, group.q_len, -1, dim).transpose(1, 2)  # [n, heads, q_len, dim]
+        q = _in(q, compute_dtype)
+        k, v = _as_query(k, q), _as_query(v, q)
         out = _sdpa(q, k, v, group.mask, scale, causal=group.mask is None)
-        output.index_copy_(0, group.rows, out.transpose(1, 2).reshape(n * group.q_len, -1, dim))
+        output.index_copy_(0, group.rows, _in(out.transpose(1, 2).reshape(n * group.q_len, -1, dim), output.dtype))
 
     @staticmethod
     def _decode(group: _DecodeGroup, query, k_cache, v_cache, scale, output) -> None:
@@ -179,15 +187,15 @@ class TorchAttentionBackend:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
         output[group.rows] = out.reshape(n, -1, dim)
 
-    def _prefill(self, i, query, k_cache, v_cache, meta, scale, output) -> None:
+    def _prefill(self, i, query, k_cache, v_cache, meta, scale, output, compute_dtype=None) -> None:
         start, end = meta.query_start[i], meta.query_start[i + 1]
         seq_len, q_len = meta.seq_lens[i], end - start
         num_blocks = -(-seq_len // meta.block_size)
         blocks = meta.block_tables[i, :num_blocks]
         kv_heads, dim = k_cache.shape[-2:]
-        k = _as_query(k_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2), query)
-        v = _as_query(v_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2), query)
-        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
+        q = _in(query[start:end].transpose(0, 1).unsqueeze(0), compute_dtype)  # [1, heads, q_len, dim]
+        k = _as_query(k_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2), q)
+        v = _as_query(v_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2), q)
         if seq_len == q_len:
             out = _sdpa(q, k, v, None, scale, causal=True)
         else:  # query j sits at absolute position seq_len - q_len + j and sees keys up to it

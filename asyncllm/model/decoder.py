@@ -37,7 +37,7 @@ from .mlp import MLP
 from .norms import make_norm
 from .moe import SparseMoE
 from .registry import LLAMA_LORA_TARGETS, SPLIT_PROJECTIONS
-from .rotary import RotaryEmbedding, rope_parameters, rope_type_of
+from .rotary import MRotaryEmbedding, RotaryEmbedding, rope_parameters, rope_type_of
 from .shape import DecoderShape
 
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
@@ -86,9 +86,15 @@ class Attention(nn.Module):
         self.head_start, self.full_heads = head_share[0], full.num_heads
         self.sinks = nn.Parameter(torch.empty(shape.num_heads)) if shape.attn_sinks else None
 
+    # dtype="bfloat16" prefill on CPUs whose SDPA runs bf16 (kernels/cpu_attention.py): q, k, v stay bf16 from the
+    # qkv projection to the o projection (False: the float32 path, which computes the same numbers; tests compare)
+    bf16_prefill: ClassVar[bool] = True
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = hidden.shape[0]
+        if self._bf16_prefill_applies(positions, hidden, meta, kv_cache[0]):
+            return self._forward_bf16_prefill(positions, hidden, meta, kv_cache)
         qkv = self.qkv_proj(hidden)
         if self.lora is not None and self.lora.groups:
             self.lora.apply(self.layer_index, "qkv_proj", hidden, qkv)
@@ -110,6 +116,38 @@ class Attention(nn.Module):
         if self.lora is not None and self.lora.groups:
             self.lora.apply(self.layer_index, "o_proj", out, result)
         return self.tp.all_reduce(result)  # row-parallel: each rank holds a partial sum
+
+    def _bf16_prefill_applies(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                              k_cache: torch.Tensor) -> bool:
+        """A prefill-only step of a plain attention layer (rotate-half rope over the whole head, no bias, norm, LoRA,
+        window, cap or sinks) whose projections multiply in bf16 and whose backend attends in bf16 over this cache."""
+        prefill_dtype = getattr(self.backend, "prefill_dtype", None)
+        return (self.bf16_prefill and prefill_dtype is not None and not meta.decode_indices and not meta.bidirectional
+                and positions.dim() == 1
+                and getattr(self.qkv_proj, "compute_dtype", None) == torch.bfloat16 and self.qkv_proj.bias is None
+                and getattr(self.o_proj, "compute_dtype", None) == torch.bfloat16
+                and (self.lora is None or not self.lora.groups) and not self.qk_norm and not self.variant
+                and self.sinks is None and type(self.rotary) in (RotaryEmbedding, MRotaryEmbedding) and self.rotary.plain
+                and self.rotary.rotary_dim == self.head_dim and prefill_dtype(hidden, k_cache) == torch.bfloat16)
+
+    def _forward_bf16_prefill(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                              kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """forward() with q, k, v in bf16 from the qkv matmul's output to the o projection's input: the same numbers
+        as the float32 path (oneDNN rounds its bf16 output; the float32 path rounds the rotated k for the cache and
+        q for the bf16 SDPA, and o rounds its input), without four conversion passes per layer."""
+        from ..kernels.cpu_ops import rotary_embedding_
+
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj.forward_as(hidden, torch.bfloat16)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        rotary_embedding_(positions, q, k, self.rotary.cos, self.rotary.sin)  # in place, float32 arithmetic
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale).view(tokens, self.q_size)
+        return self.tp.all_reduce(self.o_proj.forward_as(out, hidden.dtype))
 
     def weight_loader(self, kind: str, tensor: torch.Tensor, part, name: str) -> None:
         """The checkpoint's ``sinks`` (one per head of the whole model), cut to this rank's heads."""

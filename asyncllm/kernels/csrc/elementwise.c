@@ -107,6 +107,38 @@ static void rotate(float *x, int64_t token_stride, int64_t heads, int64_t head_d
     }
 }
 
+/* rotate() over bfloat16 values (the bf16 prefill attention of dtype="bfloat16", model/decoder.py): each value
+ * widened, the same float32 arithmetic, one rounding to bf16, which is what rounding rotate()'s float32 result
+ * for the cache and the bf16 attention gives. */
+static void rotate_bf16(uint16_t *x, int64_t token_stride, int64_t heads, int64_t head_dim, const int64_t *positions,
+                        const float *cos_table, const float *sin_table, int64_t tokens, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *v = x + t * token_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
+                v[i] = f32_to_bf16(a * c[i] - b * s[i]);
+                v[i + half] = f32_to_bf16(b * c[i + half] + a * s[i + half]);
+            }
+        }
+    }
+}
+
+/* rotary_f32 over bfloat16 q and k (strides in elements); the same return values. */
+int rotary_bf16(uint16_t *q, int64_t q_token_stride, int64_t q_heads, uint16_t *k, int64_t k_token_stride,
+                int64_t k_heads, int64_t head_dim, const int64_t *positions, const float *cos_table,
+                const float *sin_table, int64_t table_rows, int64_t tokens, int num_threads) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= table_rows) return 1;
+    rotate_bf16(q, q_token_stride, q_heads, head_dim, positions, cos_table, sin_table, tokens, num_threads);
+    rotate_bf16(k, k_token_stride, k_heads, head_dim, positions, cos_table, sin_table, tokens, num_threads);
+    return 0;
+}
+
 /* Returns 0, or 1 (nothing rotated) when a position is outside [0, table_rows). */
 int rotary_f32(float *q, int64_t q_token_stride, int64_t q_heads, float *k, int64_t k_token_stride,
                int64_t k_heads, int64_t head_dim, const int64_t *positions, const float *cos_table,

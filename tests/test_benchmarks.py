@@ -533,3 +533,24 @@ def test_bf16_decode_tiles_tiny_run(model_dir_factory, tmp_path, capsys):
     for row in report["rows"]:
         assert all(0 < row[f"{w}_ms"][0] <= row[f"{w}_ms"][1] for w in ways)
     assert "B=16:" in capsys.readouterr().out
+
+
+def test_bf16_batch_phases_tiny_run(model_dir_factory, tmp_path, capsys):
+    """The prefill/decode split at toy size: every way gets a prefill time and a decode step, and the switches it
+    flips (the fused bf16 attention, the bf16 SDPA decision) are back as they were afterwards."""
+    from asyncllm.kernels import cpu_attention
+    from asyncllm.model.decoder import Attention
+    from benchmarks import bf16_batch_phases
+
+    before = (Attention.bf16_prefill, cpu_attention.amx_attention)
+    out = tmp_path / "phases.json"
+    assert bf16_batch_phases.main(["--model-dir", str(model_dir_factory("llama")), "--batch", "2", "--prompt-len",
+                                   "8", "--new-tokens", "3", "--rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (Attention.bf16_prefill, cpu_attention.amx_attention) == before
+    assert [r["way"] for r in report["rows"]] == list(bf16_batch_phases.WAYS)
+    for row in report["rows"]:
+        assert 0 < row["prefill_s"][0] <= row["prefill_s"][1] and row["decode_step_ms"][0] <= row["decode_step_ms"][1]
+    assert "float32-sdpa: prefill" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bf16_batch_phases.main(["--ways", "fast"])

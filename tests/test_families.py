@@ -14,7 +14,7 @@ import pytest
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.model.registry import architecture_for
-from checkpoints import (fresh_reference_greedy, load_reference_model, random_prompts, reference_greedy,
+from checkpoints import (assert_greedy_equal_up_to_ties, fresh_reference_greedy, load_reference_model, random_prompts, reference_greedy,
                          strong_peft_adapter)
 
 FAMILY_KINDS = ["llama_bias", "llama_longrope", "mistral_window", "qwen2_window", "phi4_mini", "gemma", "gemma2", "gemma3",
@@ -200,7 +200,8 @@ def test_family_gguf_equals_its_original(kind, qtype, model_dir_factory, tmp_pat
                     packed = gguf_package.quants.quantize(param.numpy(), kind_q8)
                     param.copy_(torch.from_numpy(gguf_package.quants.dequantize(packed, kind_q8)).reshape(param.shape))
     expected = reference_greedy(model_dir, prompts(kind), NEW_TOKENS, model=model)
-    assert got == expected
+    # Q8_0 GLM-4's first prompt meets a top-two margin of 1e-5 at token 13 (a float32 summation-order tie)
+    assert_greedy_equal_up_to_ties(got, expected, prompts(kind), model)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])

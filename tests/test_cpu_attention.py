@@ -183,3 +183,45 @@ def test_decode_kernel_window_and_soft_cap_equal_the_reference(window, softcap):
     out = backend.forward(query, k_cache, v_cache, meta, 32 ** -0.5, window=window, softcap=softcap)
     ref = windowed_attention(query, k_cache, v_cache, batch.meta(), 32 ** -0.5, window, softcap)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype,compute_dtype", [
+    pytest.param(torch.float32, None, id="f32-cache"),
+    pytest.param(torch.bfloat16, None, id="bf16-cache-f32-sdpa"),
+    pytest.param(torch.bfloat16, torch.bfloat16, id="bf16-cache-bf16-sdpa"),
+])
+def test_fresh_prompts_read_their_new_rows_with_the_numbers_of_the_gathered_blocks(cache_dtype, compute_dtype):
+    """A prefill chunk with no cached prefix attends to the rows write_kv was just given (rounded to the cache's
+    dtype) instead of gathering its blocks back, and groups of adjacent chunks are read and written as slices:
+    the outputs are bit for bit those of the gathering path, next to prefix chunks, decodes and a group whose
+    chunks are not adjacent."""
+    from asyncllm.kernels.torch_attention import TorchAttentionBackend
+
+    specs = [(0, 5), (0, 5), (0, 6), (12, 1), (0, 6), (0, 9), (8, 4), (8, 4)]
+    batch = cpu_batch(specs, 6, 2, 16, 4, seed=11)
+    meta = batch.meta()
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    plan = meta.backend_state.prefills
+    starts = {(g.q_len, g.seq_len): g.first_row for g in plan.groups}
+    assert starts == {(5, 5): 0, (6, 6): None, (4, 12): meta.query_start[6]}
+    caches = batch.k_cache.to(cache_dtype), batch.v_cache.to(cache_dtype)
+    outputs = []
+    for reuse in (True, False):
+        k_cache, v_cache = caches[0].clone(), caches[1].clone()
+        backend.write_kv(batch.key, batch.value, k_cache, v_cache, meta)
+        if reuse:  # the adjacent group's and the single's blocks are never read back: spoil them
+            read_from_rows = [i for i, spec in enumerate(specs) if spec in ((0, 5), (0, 9))]
+            fresh_slots = torch.tensor([batch.slots[r] for i in read_from_rows
+                                        for r in range(meta.query_start[i], meta.query_start[i + 1])])
+            for cache in (k_cache, v_cache):
+                cache.view(-1, *cache.shape[2:])[fresh_slots] = float("nan")
+        else:
+            backend._new_keys = None
+        output = torch.full_like(batch.query, float("nan"))
+        backend.run_prefills(plan, batch.query, k_cache, v_cache, meta, 16 ** -0.5, output, compute_dtype)
+        outputs.append(output)
+    rows = [r for i in meta.prefill_indices for r in range(meta.query_start[i], meta.query_start[i + 1])]
+    assert not outputs[0][rows].isnan().any()
+    assert torch.equal(outputs[0][rows], outputs[1][rows])
+    assert backend._new_keys is None  # consumed: a later layer never sees this one's rows

@@ -64,6 +64,7 @@ class PrefillGroup:
     q_len: int
     seq_len: int
     mask: torch.Tensor | None  # [q_len, seq_len] True where a key is visible; None: plain causal
+    first_row: int | None = None  # rows == first_row + arange(seqs * q_len): read and written as a slice
 
 
 @dataclass
@@ -90,9 +91,31 @@ def plan_prefills(meta: AttentionMetadata) -> PrefillPlan:
         if seq_len != q_len:  # query j sits at position seq_len - q_len + j and sees keys up to it
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        first = meta.query_start[idx[0]]
+        adjacent = all(meta.query_start[i] == first + k * q_len for k, i in enumerate(idx))
         groups.append(PrefillGroup(rows, meta.block_tables.index_select(0, index)[:, :num_blocks].reshape(-1),
-                                    len(idx), q_len, seq_len, mask))
+                                    len(idx), q_len, seq_len, mask, first if adjacent else None))
     return PrefillPlan(groups, singles)
+
+
+@dataclass
+class _NewKeys:
+    """One layer's keys and values of this step ([tokens, kv_heads, head_dim]), as write_kv was given them, and the
+    caches they went into. A chunk whose sequence has no cached prefix sees exactly its own rows of them, rounded to
+    the cache's dtype as the cache holds them, so reading them here gives the same numbers as gathering the blocks."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+
+    def of(self, k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tensor) -> bool:
+        """Whether these are the rows of the layer now attending (its caches, one row per query row)."""
+        return (self.k_cache is k_cache and self.v_cache is v_cache and self.key.shape[0] == query.shape[0]
+                and self.key.shape[1:] == k_cache.shape[2:] and self.value.shape[1:] == v_cache.shape[2:])
+
+    def rows(self, start: int, end: int, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return _in(self.key[start:end], cache_dtype), _in(self.value[start:end], cache_dtype)
 
 
 @dataclass
@@ -135,6 +158,9 @@ class TorchAttentionBackend:
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        # A prefill chunk with no cached prefix attends to exactly these rows (as the cache holds them): run_prefills
+        # reads them here rather than gathering them back from the blocks just written (see _NewKeys)
+        self._new_keys = _NewKeys(k_cache, v_cache, key, value)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
@@ -160,21 +186,34 @@ class TorchAttentionBackend:
                      compute_dtype: torch.dtype | None = None) -> None:
         """The step's prefill chunks through SDPA, in ``compute_dtype`` (default: the query's dtype; the cache's
         values and the query are converted to it, the outputs back to ``output``'s)."""
+        new = getattr(self, "_new_keys", None)
+        self._new_keys = None
+        if new is not None and not new.of(k_cache, v_cache, query):
+            new = None
         for group in plan.groups:
-            self._prefill_group(group, query, k_cache, v_cache, scale, output, compute_dtype)
+            self._prefill_group(group, query, k_cache, v_cache, scale, output, compute_dtype, new)
         for i in plan.singles:
-            self._prefill(i, query, k_cache, v_cache, meta, scale, output, compute_dtype)
+            self._prefill(i, query, k_cache, v_cache, meta, scale, output, compute_dtype, new)
 
     @staticmethod
-    def _prefill_group(group: PrefillGroup, query, k_cache, v_cache, scale, output, compute_dtype=None) -> None:
+    def _prefill_group(group: PrefillGroup, query, k_cache, v_cache, scale, output, compute_dtype=None,
+                       new: _NewKeys | None = None) -> None:
         n, (_, _, kv_heads, dim) = group.num_seqs, k_cache.shape
-        k = k_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
-        v = v_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
-        q = query.index_select(0, group.rows).view(n, group.q_len, -1, dim).transpose(1, 2)  # [n, heads, q_len, dim]
-        q = _in(q, compute_dtype)
+        first, size = group.first_row, group.num_seqs * group.q_len
+        if first is not None and new is not None and group.seq_len == group.q_len:  # no prefix: the new rows
+            k, v = (t.view(n, group.q_len, kv_heads, dim).transpose(1, 2)
+                    for t in new.rows(first, first + size, k_cache.dtype))
+        else:
+            k = k_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
+            v = v_cache.index_select(0, group.block_ids).view(n, -1, kv_heads, dim)[:, :group.seq_len].transpose(1, 2)
+        rows = query[first:first + size] if first is not None else query.index_select(0, group.rows)
+        q = _in(rows.view(n, group.q_len, -1, dim).transpose(1, 2), compute_dtype)  # [n, heads, q_len, dim]
         k, v = _as_query(k, q), _as_query(v, q)
-        out = _sdpa(q, k, v, group.mask, scale, causal=group.mask is None)
-        output.index_copy_(0, group.rows, _in(out.transpose(1, 2).reshape(n * group.q_len, -1, dim), output.dtype))
+        out = _sdpa(q, k, v, group.mask, scale, causal=group.mask is None).transpose(1, 2)  # [n, q_len, heads, dim]
+        if first is not None:  # a strided copy (converting where the dtypes differ): no index arithmetic
+            output[first:first + size].view(n, group.q_len, -1, dim).copy_(out)
+        else:
+            output.index_copy_(0, group.rows, _in(out.reshape(size, -1, dim), output.dtype))
 
     @staticmethod
     def _decode(group: _DecodeGroup, query, k_cache, v_cache, scale, output) -> None:
@@ -187,15 +226,20 @@ class TorchAttentionBackend:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
         output[group.rows] = out.reshape(n, -1, dim)
 
-    def _prefill(self, i, query, k_cache, v_cache, meta, scale, output, compute_dtype=None) -> None:
+    def _prefill(self, i, query, k_cache, v_cache, meta, scale, output, compute_dtype=None,
+                 new: _NewKeys | None = None) -> None:
         start, end = meta.query_start[i], meta.query_start[i + 1]
         seq_len, q_len = meta.seq_lens[i], end - start
         num_blocks = -(-seq_len // meta.block_size)
         blocks = meta.block_tables[i, :num_blocks]
         kv_heads, dim = k_cache.shape[-2:]
         q = _in(query[start:end].transpose(0, 1).unsqueeze(0), compute_dtype)  # [1, heads, q_len, dim]
-        k = _as_query(k_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2), q)
-        v = _as_query(v_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2), q)
+        if new is not None and seq_len == q_len:  # no prefix: the rows just written
+            k, v = (t.unsqueeze(0).transpose(1, 2) for t in new.rows(start, end, k_cache.dtype))
+        else:
+            k = k_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2)
+            v = v_cache.index_select(0, blocks).view(1, -1, kv_heads, dim)[:, :seq_len].transpose(1, 2)
+        k, v = _as_query(k, q), _as_query(v, q)
         if seq_len == q_len:
             out = _sdpa(q, k, v, None, scale, causal=True)
         else:  # query j sits at absolute position seq_len - q_len + j and sees keys up to it

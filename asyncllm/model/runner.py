@@ -20,6 +20,7 @@ from ..errors import ConfigError, ModelLoadError
 from ..kernels.cpu_attention import CpuAttentionBackend
 from ..kernels.cpu_decode_stack import MAX_CHAINED_ROWS, DecodeStack
 from ..kernels.cpu_linear import pack_linear_layers
+from ..kernels.cpu_memory import keep_large_buffers
 from ..kernels.cpu_panel_linear import PanelEmbedding, PanelLinear
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.ops import cpu_ops, triton_ops
@@ -121,6 +122,8 @@ class ModelRunner:
             for module in self.model.modules():
                 if isinstance(module, GroupQuantLinear):
                     module.bf16_rows = GROUP_QUANT_BF16_ROWS
+        if self.device.type == "cpu":  # large step buffers reused, not faulted in each layer (kernels/cpu_memory.py)
+            keep_large_buffers()
         self.kv_dtype = self._kv_cache_dtype(config)
         self.num_blocks = self._agree_num_blocks(config, max_model_len)
         # every running sequence's block table, kept across steps (engine/block_tables.py)

@@ -14,8 +14,8 @@ import pytest
 
 from asyncllm import LLM, AsyncLLM, SamplingParams
 from asyncllm.model.registry import architecture_for
-from checkpoints import (assert_greedy_equal_up_to_ties, fresh_reference_greedy, load_reference_model, random_prompts, reference_greedy,
-                         strong_peft_adapter)
+from checkpoints import (assert_greedy_equal_up_to_ties, fresh_reference_greedy, load_reference_model, random_prompts,
+                         reference_greedy, strong_peft_adapter)
 
 FAMILY_KINDS = ["llama_bias", "llama_longrope", "mistral_window", "qwen2_window", "phi4_mini", "gemma", "gemma2", "gemma3",
                 "granite", "olmo2", "smollm3", "cohere", "glm4", "llama_dynamic"]

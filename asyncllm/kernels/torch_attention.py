@@ -135,6 +135,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     decode_group_size = 8
+    _new_keys: _NewKeys | None = None  # the last write_kv's rows, until run_prefills takes them
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step work shared by all layers: the decode groups and the prefill plan."""
@@ -186,8 +187,7 @@ class TorchAttentionBackend:
                      compute_dtype: torch.dtype | None = None) -> None:
         """The step's prefill chunks through SDPA, in ``compute_dtype`` (default: the query's dtype; the cache's
         values and the query are converted to it, the outputs back to ``output``'s)."""
-        new = getattr(self, "_new_keys", None)
-        self._new_keys = None
+        new, self._new_keys = self._new_keys, None
         if new is not None and not new.of(k_cache, v_cache, query):
             new = None
         for group in plan.groups:

@@ -95,19 +95,44 @@ def test_sampled_rows_and_mixed_steps_are_unchanged(model_dirs):
 
 
 def test_mixed_steps_send_their_decodes_through_the_stack(model_dirs, monkeypatch):
-    """A step holding decodes and prefill chunks is cut in two (model/mixed_steps.py): the decodes run in
-    the stack, the chunks in the modules, and tokens and logprobs equal the module path's."""
+    """A step holding decodes and prefill chunks, too large for the stack to run whole, is cut in two
+    (model/mixed_steps.py): the decodes run in the stack, the chunks in the modules, and tokens and logprobs
+    equal the module path's."""
     llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_batched_tokens=16, block_size=4)
     runner = llm.engine.runner.runner  # the ModelRunner behind the Executor
+    monkeypatch.setattr(runner.decode_stack, "max_chained_rows", 4)  # whole: up to 4 tokens; cut: the rest
     splits = []
     original = runner._forward_split
     monkeypatch.setattr(runner, "_forward_split", lambda step, split: (
         splits.append((len(split.decodes.token_ids), len(split.prefills.token_ids))), original(step, split))[1])
     calls = _compare(llm, _prompts(6, seed=5))
     assert calls >= 19 and splits  # mixed steps were cut, and not only decode-only steps ran in the stack
-    assert all(d > 0 and p > 0 and d + p <= 16 for d, p in splits)
+    assert all(d > 0 and p > 0 and 4 < d + p <= 16 for d, p in splits)
 
 
+@pytest.mark.skipif(not panels_supported(), reason="steps run whole on the stack up to 64 tokens on AVX-512 panels")
+def test_small_mixed_steps_run_whole_on_the_stack(model_dirs, monkeypatch):
+    """On panels a step of decodes and prefill chunks of up to ``max_chained_rows`` tokens runs in one stack
+    call, one row per token (the chunk's rows attend to the keys its earlier rows just wrote): tokens and
+    logprobs equal the module path's, and nothing is cut in two."""
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_batched_tokens=48, block_size=4)
+    runner = llm.engine.runner.runner
+    stack = runner.decode_stack
+    assert stack.max_chained_rows == MAX_PANEL_ROWS
+    chained = []
+    original = stack.run
+    monkeypatch.setattr(stack, "run", lambda ids, positions, meta: (
+        chained.append(ids.shape[0]) if meta.chained else None, original(ids, positions, meta))[1])
+    monkeypatch.setattr(runner, "_forward_split", lambda step, split: pytest.fail("a step that fits was cut"))
+    fused = llm.generate(_prompts(6, seed=5), GREEDY)
+    monkeypatch.undo()
+    plain, _ = _run(llm, _prompts(6, seed=5), False)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())) for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())) for d in b.outputs[0].logprobs]
+        assert la == pytest.approx(lb, abs=1e-4)
+    assert chained and max(chained) > 8  # prompts (3-40 tokens, several a step) went through in one call
 def test_panels_layout():
     weight = torch.arange(40 * 8, dtype=torch.float32).reshape(40, 8)
     panels = to_panels(weight)

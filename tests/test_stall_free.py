@@ -17,14 +17,14 @@ from asyncllm.engine.request import EngineRequest, Sequence, SequenceStatus
 from asyncllm.engine.scheduler import Scheduler
 from asyncllm.engine.step_budget import AUTO_ITL_FACTOR, MIN_PREFILL_TOKENS, StepBudget
 from asyncllm.engine.step_time import (
-    StepFeatures, StepTimeModel, _nonnegative_lstsq, calibration_steps, prefill_pairs,
+    StepFeatures, StepTimeModel, _nonnegative_lstsq, calibration_steps, eager_pass, prefill_pairs,
 )
 from asyncllm.errors import ConfigError, InvalidRequestError
 
 from checkpoints import reference_greedy
 
-# 2 ms per step, 50 us per token, 10 ns per decode context position, 1 ns per prefill query-key pair
-TRUE = np.array([2e-3, 50e-6, 10e-9, 1e-9])
+# 2 ms per step, 50 us per token, 10 ns per decode context position, 1 ns per prefill query-key pair, no eager pass
+TRUE = np.array([2e-3, 50e-6, 10e-9, 1e-9, 0.0])
 
 
 def _synthetic_model() -> StepTimeModel:
@@ -139,6 +139,46 @@ def test_decodes_go_first_and_the_prefill_chunk_fills_the_target():
     # the largest chunk that keeps the predicted step within 20 ms
     assert decode_s + model.prefill_seconds(0, chunk) <= 0.020 < decode_s + model.prefill_seconds(0, chunk + 1)
     assert model.predict(StepFeatures.of_batch(batch)) == pytest.approx(decode_s + model.prefill_seconds(0, chunk))
+
+
+def test_the_model_prices_the_eager_pass_past_the_decode_stack():
+    """Steps too large for a CPU decode stack pay a fixed eager pass: the model learns its price apart from
+    the tokens' and predicts both sides of the line."""
+    true = np.array([2e-3, 50e-6, 10e-9, 1e-9, 8e-3])
+    model = StepTimeModel(np.array([1e-3, 1e-6]))
+    model.fast_rows = (64, 64)
+    rng = random.Random(1)
+    for _ in range(400):
+        decodes, chunk = rng.randint(1, 40), rng.choice([0, rng.randint(2, 200)])
+        counts = [1] * decodes + ([chunk] if chunk else [])
+        features = StepFeatures(decodes + chunk, decodes * 50, prefill_pairs(0, chunk) if chunk else 0.0,
+                                eager_pass(counts, model.fast_rows))
+        model.observe(features, float(features.vector() @ true) * rng.uniform(0.97, 1.03))
+    assert model.eager_seconds == pytest.approx(8e-3, rel=0.15)
+    assert model.coefficients[1] == pytest.approx(50e-6, rel=0.15)
+    assert eager_pass([1] * 64, (64, 8)) == 0 and eager_pass([1] * 65, (64, 8)) == 1  # decode-only: the stack's rows
+    assert eager_pass([1, 8], (64, 8)) == 1 and eager_pass([1, 7], (64, 8)) == 0  # mixed: its chained rows
+    assert eager_pass([1] * 500, None) == 0  # no stack: no line
+
+
+def test_a_chunk_stops_at_the_decode_stack_line_unless_crossing_pays():
+    """With an eager pass of 10 ms past 64 tokens, a 20 ms target is better spent on a step that stays on the
+    stack (its decodes plus the chunk up to the line) than on a longer step carrying a bigger chunk; a 100 ms
+    target pays for the crossing many times over, and takes it."""
+    def chunk(target_ms, fast_rows=(64, 64)):
+        scheduler = _scheduler(target_ms)
+        model = scheduler.step_budget.model
+        model.coefficients[4], model.fast_rows = 10e-3, fast_rows
+        _decoding(scheduler, *[_seq(f"d{i}", 100) for i in range(16)])
+        scheduler.add(_seq("long", 3000))
+        batch = scheduler.schedule()
+        predicted = model.predict(model.features(batch))
+        assert predicted <= target_ms / 1e3 * (1 + 1e-9)
+        return batch.num_new_tokens[16]
+
+    assert chunk(20.0) == 64 - 16
+    assert chunk(100.0) > 1000
+    assert chunk(20.0, fast_rows=None) > 200  # no stack: the target alone sizes the chunk
 
 
 def test_auto_target_is_a_multiple_of_the_decode_step_of_the_whole_load():

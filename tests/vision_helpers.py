@@ -87,7 +87,7 @@ def run_encoded_ahead(model_dir, reference, text: str, images: list, abort: bool
         embeddings = llm.engine.runner.image_embeddings
         embeddings.seconds_per_row, embeddings._record_time = 10.0, lambda seconds, rows: None
         # a toy model's start-up fit may price tokens at nothing (then no step-time target applies): set one
-        llm.engine.step_time.coefficients = np.array([1e-3, 1e-4, 1e-7, 1e-10])
+        llm.engine.step_time.coefficients = np.array([1e-3, 1e-4, 1e-7, 1e-10, 0.0])
     executor, steps = llm.engine.runner, []
     execute = executor.execute
     aborted, image_added = threading.Event(), threading.Event()

@@ -30,7 +30,7 @@ from .kv_cache import KVCacheManager
 from .request import EngineRequest, Sequence, SequenceStatus
 from .scheduler import ScheduledBatch, Scheduler, prompt_logprob_rows
 from .step_budget import StepBudget
-from .step_time import StepFeatures, StepTimeModel, calibrate
+from .step_time import StepTimeModel, calibrate
 from .block_tables import BlockTableRows
 from .executor import Executor
 from .step_input import step_input_of
@@ -71,6 +71,7 @@ class EngineCore:
         self.token_budget = config.max_num_batched_tokens or self.runner.platform.default_token_budget
         # the step-time model outlives resets: it describes the machine and the model, not the requests
         self.step_time = StepTimeModel()
+        self.step_time.fast_rows = getattr(self.runner, "fast_rows", None)
         if config.max_itl_ms is not None:
             calibrate(self.step_time, self.runner, self.token_budget, config.max_num_seqs, self.max_model_len)
         self._build_scheduling_state()
@@ -183,7 +184,7 @@ class EngineCore:
             if self.scheduler.step_budget is None:
                 outputs.extend(self._run(batch))
             else:  # the policy's model learns from every step it shaped
-                features = StepFeatures.of_batch(batch)
+                features = self.step_time.features(batch)
                 begin = time.perf_counter()
                 outputs.extend(self._run(batch))
                 self.step_time.observe(features, time.perf_counter() - begin)

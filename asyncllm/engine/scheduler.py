@@ -252,7 +252,7 @@ class Scheduler:
             burst_rows = self._burst_rows(prefilling, threshold, room)
         bursts = self.step_budget.num_bursts
         allowance = self.step_budget.allowance(tokens, len(batch), decode_context, pending_rows, pending_context,
-                                               burst_rows)
+                                               burst_rows, step_tokens=batch.total_tokens)
         if self.step_budget.num_bursts > bursts and not self._burst_wave:  # a new burst: its wave is what waits
             self._burst_wave = [seq for seq in itertools.islice(itertools.chain(prefilling, self.waiting), room)
                                 if seq.num_tokens - seq.num_computed_tokens <= self.max_num_batched_tokens]

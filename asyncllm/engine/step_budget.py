@@ -45,14 +45,22 @@ BURST_MIN_ROWS = 4  # and never fewer than this many
 
 class PrefillAllowance:
     """The prefill one step may still take: tokens (the step's token budget) and, with a target,
-    seconds of predicted step time."""
+    seconds of predicted step time.
+
+    With a CPU decode stack (``StepTimeModel.fast_rows``) a step up to ``fast_room`` more tokens stays
+    on the stack, and one token past that pays the eager pass (``StepTimeModel.eager_seconds``) on top
+    of the tokens' own price. A chunk crosses that line only when the crossing pays: when the longer
+    step it allows computes more prefill tokens per second of step than stopping at the line would."""
 
     def __init__(self, tokens: int, seconds: float | None = None, model: StepTimeModel | None = None,
-                 min_tokens: int = MIN_PREFILL_TOKENS) -> None:
+                 min_tokens: int = MIN_PREFILL_TOKENS, fast_room: int | None = None,
+                 step_seconds: float = 0.0) -> None:
         self.tokens = tokens
         self.seconds = seconds
         self.model = model
         self.min_tokens = min_tokens
+        self.fast_room = fast_room        # tokens the step may still add on the decode stack; None: no line
+        self.step_seconds = step_seconds  # the step's predicted time so far (its decodes, then its chunks)
         self.granted_any = False
 
     @property
@@ -64,16 +72,37 @@ class PrefillAllowance:
         n = min(wanted, self.tokens)
         if self.seconds is not None and n > 0:
             fit = self.model.prefill_tokens_within(self.seconds, context)
+            if self.fast_room is not None and min(n, fit) > self.fast_room:
+                fit = self._across_the_line(context, min(n, fit))
             if not self.granted_any:  # the head of the queue always advances
                 fit = max(fit, self.min_tokens)
             n = min(n, fit)
         return max(n, 0)
 
+    def _across_the_line(self, context: int, wanted: int) -> int:
+        """A chunk that would take the step off the decode stack: the tokens that fit once the eager pass
+        is paid, if that beats stopping at the line (in prefill tokens per second of step), else the line."""
+        stay = self.fast_room
+        over = min(wanted, self.model.prefill_tokens_within(self.seconds - self.model.eager_seconds, context))
+        if over <= stay:
+            return stay
+        stay_rate = stay / (self.step_seconds + self.model.prefill_seconds(context, stay)) if stay > 0 else 0.0
+        over_seconds = self.step_seconds + self.model.eager_seconds + self.model.prefill_seconds(context, over)
+        return over if over / over_seconds > stay_rate else stay
+
     def spend(self, context: int, n: int) -> None:
         """Record a chunk of ``n`` tokens (after ``context`` computed ones) as scheduled."""
         self.tokens -= n
         if self.seconds is not None:
-            self.seconds -= self.model.prefill_seconds(context, n)
+            cost = self.model.prefill_seconds(context, n)
+            if self.fast_room is not None:
+                if n > self.fast_room:  # off the decode stack: the eager pass is paid, once
+                    cost += self.model.eager_seconds
+                    self.fast_room = None
+                else:
+                    self.fast_room -= n
+            self.seconds -= cost
+            self.step_seconds += cost
         self.granted_any = self.granted_any or n > 0
 
 
@@ -101,10 +130,11 @@ class StepBudget:
         return AUTO_ITL_FACTOR * self.model.decode_seconds(rows, context)
 
     def allowance(self, tokens: int, decode_rows: int, decode_context: int, pending_rows: int = 0,
-                  pending_context: int = 0, burst_rows: int = 0) -> PrefillAllowance:
+                  pending_context: int = 0, burst_rows: int = 0, step_tokens: int | None = None) -> PrefillAllowance:
         """What prefill may join ``decode_rows`` decodes reading ``decode_context`` positions, with
         ``pending_rows`` more sequences (``pending_context`` tokens) waiting to decode, ``burst_rows`` of
-        them prompts that fit one token budget (counted up to :meth:`burst_threshold` at least)."""
+        them prompts that fit one token budget (counted up to :meth:`burst_threshold` at least).
+        ``step_tokens``: the tokens already in the step (its decodes and their drafts; default: one a row)."""
         if decode_rows == 0 or not self.model.calibrated:
             return PrefillAllowance(tokens)
         threshold = self.burst_threshold(decode_rows)
@@ -113,5 +143,10 @@ class StepBudget:
             return PrefillAllowance(tokens)
         target = self.target_seconds(decode_rows + pending_rows, decode_context + pending_context)
         self.last_target_seconds = target
-        left = target - self.model.decode_seconds(decode_rows, decode_context)
-        return PrefillAllowance(tokens, max(left, 0.0), self.model)
+        decode = self.model.decode_seconds(decode_rows, decode_context)
+        step_tokens = decode_rows if step_tokens is None else step_tokens
+        fast = self.model.fast_tokens(decode_only=False)
+        # a step whose decodes already leave the stack has no line left to cross
+        on_stack = fast is not None and decode_rows <= self.model.fast_tokens(decode_only=True)
+        return PrefillAllowance(tokens, max(target - decode, 0.0), self.model,
+                                fast_room=max(fast - step_tokens, 0) if on_stack else None, step_seconds=decode)

@@ -1,14 +1,18 @@
 """How long an engine step takes, predicted from what it computes: the stall-free scheduler's model.
 
-A step's time is modelled as a linear function of four features of its batch:
+A step's time is modelled as a linear function of five features of its batch:
 
-    t = c0 + c_token * tokens + c_context * decode_context + c_pair * prefill_pairs
+    t = c0 + c_token * tokens + c_context * decode_context + c_pair * prefill_pairs + c_eager * eager
 
 ``tokens`` is every token the step computes (decode rows and prefill chunk tokens: they go through
 the same projections), ``decode_context`` the KV positions the decode rows read, and
 ``prefill_pairs`` the causal query-key pairs of the prefill chunks (a chunk of ``n`` tokens after
 ``p`` computed ones: ``n * (p + (n + 1) / 2)``). ``c0`` holds what does not grow with the batch
-(streaming the weights once at small batch, the per-step Python).
+(streaming the weights once at small batch, the per-step Python). ``eager`` is 1 when a CPU engine
+with a decode stack runs (part of) the step through the eager model: the step is too large for the
+stack (``StepTimeModel.fast_rows``), so the weights are read a second time and the per-layer torch
+calls add up; measured on cpu-llama float32 that is a jump from 14 to 37 ms just past 64 tokens, which
+no per-token price can express. Without a decode stack (GPU, other families) the feature is always 0.
 
 The coefficients come from a few timed dummy steps when the engine starts (:func:`calibrate`), and
 are refitted every few steps from the steps the engine actually ran: a weighted least-squares fit
@@ -29,7 +33,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-NUM_FEATURES = 4
+NUM_FEATURES = 5
 WINDOW_STEPS = 512       # the latest steps the online fit uses
 REFIT_EVERY = 16         # steps between refits
 CALIBRATION_WEIGHT = 4   # each calibration point counts as this many observed steps
@@ -43,14 +47,16 @@ class StepFeatures:
     tokens: int = 0
     decode_context: int = 0
     prefill_pairs: float = 0.0
+    eager: int = 0  # 1: the step (or its prefill part) runs the eager model beside a decode stack
 
     def vector(self) -> np.ndarray:
-        return np.array([1.0, self.tokens, self.decode_context, self.prefill_pairs])
+        return np.array([1.0, self.tokens, self.decode_context, self.prefill_pairs, self.eager])
 
     @classmethod
-    def of_batch(cls, batch: Any) -> "StepFeatures":
+    def of_batch(cls, batch: Any, fast_rows: tuple[int, int] | None = None) -> "StepFeatures":
         """The features of a scheduled batch (its ``seqs`` and ``num_new_tokens``; read before the step
-        advances its sequences). Typed loosely: the scheduler imports this module, not the reverse."""
+        advances its sequences). Typed loosely: the scheduler imports this module, not the reverse.
+        ``fast_rows``: what the decode stack runs whole (``StepTimeModel.fast_rows``)."""
         tokens = context = 0
         pairs = 0.0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -60,7 +66,16 @@ class StepFeatures:
                 context += done + 1
             else:
                 pairs += prefill_pairs(done, n)
-        return cls(tokens, context, pairs)
+        return cls(tokens, context, pairs, eager_pass(batch.num_new_tokens, fast_rows))
+
+
+def eager_pass(num_new_tokens: list[int], fast_rows: tuple[int, int] | None) -> int:
+    """1 when a step of these new-token counts is too large for the decode stack to run whole."""
+    if fast_rows is None:
+        return 0
+    tokens = sum(num_new_tokens)
+    decode_only = all(n == 1 for n in num_new_tokens)
+    return int(tokens > (fast_rows[0] if decode_only else fast_rows[1]))
 
 
 def prefill_pairs(context: int, n: int) -> float:
@@ -72,12 +87,15 @@ class StepTimeModel:
     """Predicts a step's seconds from its :class:`StepFeatures`; learns from the steps it is shown."""
 
     def __init__(self, coefficients: np.ndarray | None = None) -> None:
-        self.coefficients = (np.zeros(NUM_FEATURES) if coefficients is None
-                             else np.maximum(np.asarray(coefficients, dtype=float), 0.0))
+        # fewer coefficients than features: the missing ones are 0 (a model without the eager pass)
+        given = np.zeros(0) if coefficients is None else np.maximum(np.asarray(coefficients, dtype=float), 0.0)
+        self.coefficients = np.concatenate([given, np.zeros(NUM_FEATURES - len(given))])
         self._prior: list[tuple[np.ndarray, float]] = []
         self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=WINDOW_STEPS)
         self._since_fit = 0
         self.num_observed = 0
+        # what the engine's CPU decode stack runs whole: (decode rows, tokens one row each); None: no stack
+        self.fast_rows: tuple[int, int] | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -86,10 +104,26 @@ class StepTimeModel:
     def predict(self, features: StepFeatures) -> float:
         return float(features.vector() @ self.coefficients)
 
+    def features(self, batch: Any) -> StepFeatures:
+        """The features of a scheduled batch, on this engine."""
+        return StepFeatures.of_batch(batch, self.fast_rows)
+
+    @property
+    def eager_seconds(self) -> float:
+        """What a step pays for leaving the decode stack (0 without one)."""
+        return float(self.coefficients[4])
+
+    def fast_tokens(self, decode_only: bool) -> int | None:
+        """The most tokens a step keeps on the decode stack (None: no stack)."""
+        if self.fast_rows is None:
+            return None
+        return self.fast_rows[0] if decode_only else self.fast_rows[1]
+
     def decode_seconds(self, rows: int, context: int) -> float:
         """A decode-only step of ``rows`` sequences reading ``context`` KV positions in all."""
         c = self.coefficients
-        return c[0] + c[1] * rows + c[2] * context
+        eager = self.fast_rows is not None and rows > self.fast_rows[0]
+        return c[0] + c[1] * rows + c[2] * context + (c[4] if eager else 0.0)
 
     def prefill_seconds(self, context: int, n: int) -> float:
         """What a prefill chunk of ``n`` tokens after ``context`` computed ones adds to a step."""
@@ -157,12 +191,13 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def calibration_steps(max_tokens: int, num_blocks: int, block_size: int, max_seqs: int, max_model_len: int
                       ) -> list[tuple[list[int], list[int]]]:
     """The dummy steps timed at start-up, each as (start positions, new tokens per sequence): decode
-    at one and a few rows, decode over a longer context, and two prefill lengths. Capped by the token
-    budget, the context length and the KV blocks there are, so any engine can run them."""
+    at one and a few rows, decode over a longer context, and four prefill lengths (two that a CPU decode
+    stack runs whole, two past it, so the eager pass's price is told apart from the tokens'). Capped by
+    the token budget, the context length and the KV blocks there are, so any engine can run them."""
     slots = min(num_blocks * block_size, max_model_len)
     long_context = max(0, min(256, slots - 1))
     rows = max(1, min(4, max_seqs, num_blocks // 2))
-    chunks = sorted({max(1, min(n, max_tokens, slots)) for n in (32, 128)})
+    chunks = sorted({max(1, min(n, max_tokens, slots)) for n in (32, 64, 128, 256)})
     steps = [([0], [1]), ([0] * rows, [1] * rows), ([long_context], [1])]
     steps += [([0], [n]) for n in chunks if n > 1]
     return steps
@@ -201,7 +236,7 @@ def calibrate(model: StepTimeModel, runner: Any, max_tokens: int, max_seqs: int,
             best = min(best, time.perf_counter() - begin)
         context = sum(s + 1 for s, n in zip(starts, lengths) if n == 1)
         pairs = sum(prefill_pairs(s, n) for s, n in zip(starts, lengths) if n > 1)
-        points.append((StepFeatures(sum(lengths), context, pairs), best))
+        points.append((StepFeatures(sum(lengths), context, pairs, eager_pass(lengths, model.fast_rows)), best))
     model.calibrate_with(points)
     logger.info("step time model: %s", describe(model))
 
@@ -209,4 +244,5 @@ def calibrate(model: StepTimeModel, runner: Any, max_tokens: int, max_seqs: int,
 def describe(model: StepTimeModel) -> str:
     c = model.coefficients
     return (f"{1e3 * c[0]:.2f} ms per step + {1e6 * c[1]:.1f} us per token + {1e9 * c[2]:.1f} ns per decode "
-            f"context position + {1e9 * c[3]:.2f} ns per prefill query-key pair")
+            f"context position + {1e9 * c[3]:.2f} ns per prefill query-key pair"
+            + (f" + {1e3 * c[4]:.2f} ms per step past the decode stack" if model.fast_rows is not None else ""))

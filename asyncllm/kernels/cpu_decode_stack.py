@@ -46,6 +46,9 @@ PANEL = 32  # output columns per panel (csrc/decode_stack.c)
 # Speculative verification steps of one or two sequences (1 + k rows each) also run here, one row per token:
 # the general path's per-layer torch calls cost more than the extra rows (docs/decoding.md).
 MAX_CHAINED_ROWS = 8
+# ... and on panels, any step of up to MAX_PANEL_ROWS tokens: a stall-free step of a few decodes and a small
+# prefill chunk then reads the weights once, where cutting it in two (model/mixed_steps.py) reads them twice
+# (cpu-llama float32: a 64-token prompt in 7.6 ms against 16.0 ms eagerly; docs/async.md#smooth-streams).
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
                  "gate_up_scales", "down_scales", "qkv_bias", "k_cache", "v_cache", "qkv_zeros", "o_zeros",
@@ -213,6 +216,7 @@ class DecodeStack:
         self.panels = weights in ("float32", "bfloat16") and panels_supported()
         # 4 bits: int4_linear.c's loops, register tiles up to 12 rows and widened panels above (its MB: 64)
         self.max_rows = MAX_PANEL_ROWS if self.panels or weights == "int4" else MAX_ROWS
+        self.max_chained_rows = MAX_PANEL_ROWS if self.panels else MAX_CHAINED_ROWS
         self.model = model
         # kv_cache_dtype="bfloat16": the kernel rounds the new keys/values into the cache and widens them as it reads
         self.kv_bf16 = kv_caches[0][0].dtype == torch.bfloat16
@@ -286,9 +290,9 @@ class DecodeStack:
         return None
 
     def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A decode-only step small enough for this path (or a verification step laid out as one,
+        """A decode-only step small enough for this path (or a multi-token step laid out as one,
         one row per token: ``meta.chained``)."""
-        limit = MAX_CHAINED_ROWS if meta.chained else self.max_rows
+        limit = self.max_chained_rows if meta.chained else self.max_rows
         return num_tokens <= limit and len(meta.decode_indices) == meta.num_seqs == num_tokens
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from ..distributed.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from ..distributed.sharding import Sharding
 from ..errors import ConfigError, ModelLoadError
 from ..kernels.cpu_attention import CpuAttentionBackend
-from ..kernels.cpu_decode_stack import MAX_CHAINED_ROWS, DecodeStack
+from ..kernels.cpu_decode_stack import DecodeStack
 from ..kernels.cpu_linear import pack_linear_layers
 from ..kernels.cpu_memory import keep_large_buffers
 from ..kernels.cpu_panel_linear import PanelEmbedding, PanelLinear
@@ -368,7 +368,7 @@ class ModelRunner:
                 or step.table_rows is None):
             return None
         decodes = sum(1 for n in step.num_new_tokens if n == 1)
-        if not 0 < decodes < step.num_seqs or decodes > self.decode_stack.max_rows:
+        if not 0 < decodes < step.num_seqs or decodes > self.decode_stack.max_rows or self._fits_chained(step):
             return None
         self._apply_table_updates(step)  # once, for both parts
         return split_mixed(step)
@@ -487,6 +487,15 @@ class ModelRunner:
         return ids, positions, meta, _Gathers.of(step, self.device)
 
     @property
+    def fast_rows(self) -> tuple[int, int] | None:
+        """The largest steps the CPU decode stack runs whole: (decode-only rows, tokens of a step laid out
+        one row per token); None without a decode stack. Larger steps pay an eager model pass, whose
+        weight read the stall-free policy's step-time model prices apart (engine/step_time.py)."""
+        if self.decode_stack is None or not self._host_decode_path:
+            return None
+        return self.decode_stack.max_rows, self.decode_stack.max_chained_rows
+
+    @property
     def _host_decode_path(self) -> bool:
         """CPU kernels read decode metadata straight from numpy (``_prepare_rows``); the Triton
         kernels (CUDA, or the interpreter) take the staged path below."""
@@ -530,9 +539,10 @@ class ModelRunner:
         return ids, pos, meta, _Gathers(logit_t if logit_index is not None else None, pool_t)
 
     def _fits_chained(self, step: StepInput) -> bool:
-        """A small multi-token step (speculative verification) the decode stack can run row by row."""
+        """A small multi-token step (a speculative verification, or decodes beside a small prefill chunk)
+        the decode stack can run row by row."""
         return (self.decode_stack is not None and not self.lora.groups
-                and len(step.token_ids) <= MAX_CHAINED_ROWS)
+                and len(step.token_ids) <= self.decode_stack.max_chained_rows)
 
     def _prepare_rows(self, step: StepInput, chained: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``_prepare`` of a CPU step laid out one row per token: a decode-only step (the batch-1

@@ -10,7 +10,7 @@ import torch
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.kernels import cpu_decode_stack
-from asyncllm.kernels.cpu_decode_stack import MAX_PANEL_ROWS, MAX_ROWS, panels_supported, to_panels
+from asyncllm.kernels.cpu_decode_stack import MAX_PANEL_ROWS, MAX_ROWS, StackLimits, panels_supported, to_panels
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
 
@@ -100,7 +100,7 @@ def test_mixed_steps_send_their_decodes_through_the_stack(model_dirs, monkeypatc
     equal the module path's."""
     llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_batched_tokens=16, block_size=4)
     runner = llm.engine.runner.runner  # the ModelRunner behind the Executor
-    monkeypatch.setattr(runner.decode_stack, "max_chained_rows", 4)  # whole: up to 4 tokens; cut: the rest
+    monkeypatch.setattr(runner.decode_stack, "limits", StackLimits(64, 4, 4, 1024))  # whole: up to 4 tokens
     splits = []
     original = runner._forward_split
     monkeypatch.setattr(runner, "_forward_split", lambda step, split: (
@@ -110,29 +110,32 @@ def test_mixed_steps_send_their_decodes_through_the_stack(model_dirs, monkeypatc
     assert all(d > 0 and p > 0 and 4 < d + p <= 16 for d, p in splits)
 
 
-@pytest.mark.skipif(not panels_supported(), reason="steps run whole on the stack up to 64 tokens on AVX-512 panels")
-def test_small_mixed_steps_run_whole_on_the_stack(model_dirs, monkeypatch):
-    """On panels a step of decodes and prefill chunks of up to ``max_chained_rows`` tokens runs in one stack
-    call, one row per token (the chunk's rows attend to the keys its earlier rows just wrote): tokens and
-    logprobs equal the module path's, and nothing is cut in two."""
-    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_batched_tokens=48, block_size=4)
+@pytest.mark.skipif(not panels_supported(), reason="steps run whole on the stack past 8 tokens on AVX-512 panels only")
+def test_mixed_steps_within_the_limits_run_whole_on_the_stack(model_dirs, monkeypatch):
+    """On panels a step of decodes and prefill chunks within ``StackLimits`` runs in one stack call, one row per
+    token (the chunk's rows attend to the keys its earlier rows just wrote): tokens and logprobs equal the
+    module path's, and nothing is cut in two."""
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_batched_tokens=200, block_size=4)
     runner = llm.engine.runner.runner
     stack = runner.decode_stack
-    assert stack.max_chained_rows == MAX_PANEL_ROWS
+    assert (stack.limits.chained_rows, stack.limits.mixed_rows) == (MAX_PANEL_ROWS, 512)
+    prompts = _prompts(6, seed=5) + [list(range(7, 307))]  # 300 tokens: its tail rides beside the others' decodes
     chained = []
     original = stack.run
     monkeypatch.setattr(stack, "run", lambda ids, positions, meta: (
         chained.append(ids.shape[0]) if meta.chained else None, original(ids, positions, meta))[1])
     monkeypatch.setattr(runner, "_forward_split", lambda step, split: pytest.fail("a step that fits was cut"))
-    fused = llm.generate(_prompts(6, seed=5), GREEDY)
+    fused = llm.generate(prompts, GREEDY)
     monkeypatch.undo()
-    plain, _ = _run(llm, _prompts(6, seed=5), False)
+    plain, _ = _run(llm, prompts, False)
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         la = [next(iter(d.values())) for d in a.outputs[0].logprobs]
         lb = [next(iter(d.values())) for d in b.outputs[0].logprobs]
         assert la == pytest.approx(lb, abs=1e-4)
-    assert chained and max(chained) > 8  # prompts (3-40 tokens, several a step) went through in one call
+    assert chained and max(chained) > MAX_PANEL_ROWS  # a mixed step past 64 tokens went through in one call
+
+
 def test_panels_layout():
     weight = torch.arange(40 * 8, dtype=torch.float32).reshape(40, 8)
     panels = to_panels(weight)

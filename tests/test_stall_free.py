@@ -15,7 +15,8 @@ from asyncllm import AsyncLLM, LLM, SamplingParams
 from asyncllm.engine.kv_cache import KVCacheManager
 from asyncllm.engine.request import EngineRequest, Sequence, SequenceStatus
 from asyncllm.engine.scheduler import Scheduler
-from asyncllm.engine.step_budget import AUTO_ITL_FACTOR, MIN_PREFILL_TOKENS, StepBudget
+from asyncllm.engine.step_budget import AUTO_ITL_FACTOR, MIN_PREFILL_TOKENS, PrefillAllowance, StepBudget
+from asyncllm.kernels.cpu_decode_stack import StackLimits
 from asyncllm.engine.step_time import (
     StepFeatures, StepTimeModel, _nonnegative_lstsq, calibration_steps, eager_pass, prefill_pairs,
 )
@@ -142,33 +143,42 @@ def test_decodes_go_first_and_the_prefill_chunk_fills_the_target():
 
 
 def test_the_model_prices_the_eager_pass_past_the_decode_stack():
-    """Steps too large for a CPU decode stack pay a fixed eager pass: the model learns its price apart from
-    the tokens' and predicts both sides of the line."""
+    """Steps the CPU decode stack does not run whole pay a fixed eager pass: the model learns its price apart
+    from the tokens' and predicts both sides of the line."""
     true = np.array([2e-3, 50e-6, 10e-9, 1e-9, 8e-3])
     model = StepTimeModel(np.array([1e-3, 1e-6]))
-    model.fast_rows = (64, 64)
+    model.stack_limits = StackLimits(decode_rows=64, chained_rows=64, mixed_rows=64, mixed_context=1024)
     rng = random.Random(1)
     for _ in range(400):
         decodes, chunk = rng.randint(1, 40), rng.choice([0, rng.randint(2, 200)])
         counts = [1] * decodes + ([chunk] if chunk else [])
         features = StepFeatures(decodes + chunk, decodes * 50, prefill_pairs(0, chunk) if chunk else 0.0,
-                                eager_pass(counts, model.fast_rows))
+                                eager_pass(counts, [50] * decodes + [chunk], model.stack_limits))
         model.observe(features, float(features.vector() @ true) * rng.uniform(0.97, 1.03))
     assert model.eager_seconds == pytest.approx(8e-3, rel=0.15)
     assert model.coefficients[1] == pytest.approx(50e-6, rel=0.15)
-    assert eager_pass([1] * 64, (64, 8)) == 0 and eager_pass([1] * 65, (64, 8)) == 1  # decode-only: the stack's rows
-    assert eager_pass([1, 8], (64, 8)) == 1 and eager_pass([1, 7], (64, 8)) == 0  # mixed: its chained rows
-    assert eager_pass([1] * 500, None) == 0  # no stack: no line
+
+
+def test_which_steps_the_stack_runs_whole():
+    limits = StackLimits(decode_rows=64, chained_rows=8, mixed_rows=512, mixed_context=1024)
+    assert limits.runs_whole([1] * 64, [9] * 64) and not limits.runs_whole([1] * 65, [9] * 65)  # decode-only
+    assert limits.runs_whole([8], [8]) and not limits.runs_whole([9], [9])  # a prompt alone: the chained rows
+    assert limits.runs_whole([1, 300], [5, 1000]) and not limits.runs_whole([1, 300], [5, 1025])  # mixed, and deep
+    assert not limits.runs_whole([1, 512], [5, 512])  # 513 tokens
+    assert eager_pass([1, 300], [5, 1025], limits) == 1 and eager_pass([1] * 500, [1] * 500, None) == 0
 
 
 def test_a_chunk_stops_at_the_decode_stack_line_unless_crossing_pays():
     """With an eager pass of 10 ms past 64 tokens, a 20 ms target is better spent on a step that stays on the
     stack (its decodes plus the chunk up to the line) than on a longer step carrying a bigger chunk; a 100 ms
-    target pays for the crossing many times over, and takes it."""
-    def chunk(target_ms, fast_rows=(64, 64)):
+    target pays for the crossing many times over, and takes it. A chunk deep in its prompt meets the line at
+    the stack's context instead."""
+    line = StackLimits(decode_rows=64, chained_rows=64, mixed_rows=64, mixed_context=1024)
+
+    def chunk(target_ms, limits=line):
         scheduler = _scheduler(target_ms)
         model = scheduler.step_budget.model
-        model.coefficients[4], model.fast_rows = 10e-3, fast_rows
+        model.coefficients[4], model.stack_limits = 10e-3, limits
         _decoding(scheduler, *[_seq(f"d{i}", 100) for i in range(16)])
         scheduler.add(_seq("long", 3000))
         batch = scheduler.schedule()
@@ -178,7 +188,17 @@ def test_a_chunk_stops_at_the_decode_stack_line_unless_crossing_pays():
 
     assert chunk(20.0) == 64 - 16
     assert chunk(100.0) > 1000
-    assert chunk(20.0, fast_rows=None) > 200  # no stack: the target alone sizes the chunk
+    assert chunk(20.0, limits=None) > 200  # no stack: the target alone sizes the chunk
+    model = _synthetic_model()
+    model.coefficients[4], model.stack_limits = 10e-3, line
+    deep = PrefillAllowance(4096, seconds=12e-3, model=model, min_tokens=1, fast_room=48, fast_context=1000,
+                            step_seconds=3e-3)  # (min_tokens: not the head-of-queue rule here)
+    assert deep.grant(990, 3000) == 10  # 990 tokens in: the chunk stops where the stack's context ends
+    deep.spend(990, 10)
+    assert deep.fast_room == 38 and deep.seconds == pytest.approx(12e-3 - model.prefill_seconds(990, 10))
+    crossing = PrefillAllowance(4096, seconds=12e-3, model=model, fast_room=48, step_seconds=3e-3)
+    crossing.spend(0, 60)  # past the line: the eager pass is paid once, and there is no line any more
+    assert crossing.fast_room is None and crossing.seconds == pytest.approx(2e-3 - model.prefill_seconds(0, 60))
 
 
 def test_auto_target_is_a_multiple_of_the_decode_step_of_the_whole_load():

@@ -71,7 +71,7 @@ class EngineCore:
         self.token_budget = config.max_num_batched_tokens or self.runner.platform.default_token_budget
         # the step-time model outlives resets: it describes the machine and the model, not the requests
         self.step_time = StepTimeModel()
-        self.step_time.fast_rows = getattr(self.runner, "fast_rows", None)
+        self.step_time.stack_limits = getattr(self.runner, "stack_limits", None)
         if config.max_itl_ms is not None:
             calibrate(self.step_time, self.runner, self.token_budget, config.max_num_seqs, self.max_model_len)
         self._build_scheduling_state()

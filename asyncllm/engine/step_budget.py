@@ -47,19 +47,20 @@ class PrefillAllowance:
     """The prefill one step may still take: tokens (the step's token budget) and, with a target,
     seconds of predicted step time.
 
-    With a CPU decode stack (``StepTimeModel.fast_rows``) a step up to ``fast_room`` more tokens stays
-    on the stack, and one token past that pays the eager pass (``StepTimeModel.eager_seconds``) on top
-    of the tokens' own price. A chunk crosses that line only when the crossing pays: when the longer
+    With a CPU decode stack (``StepTimeModel.stack_limits``) a step up to ``fast_room`` more tokens, its
+    chunks ending within ``fast_context`` positions, stays on the stack; a chunk past that line pays the
+    eager pass (``StepTimeModel.eager_seconds``) on top of the tokens' own price. A chunk crosses that line only when the crossing pays: when the longer
     step it allows computes more prefill tokens per second of step than stopping at the line would."""
 
     def __init__(self, tokens: int, seconds: float | None = None, model: StepTimeModel | None = None,
                  min_tokens: int = MIN_PREFILL_TOKENS, fast_room: int | None = None,
-                 step_seconds: float = 0.0) -> None:
+                 fast_context: int = 1 << 62, step_seconds: float = 0.0) -> None:
         self.tokens = tokens
         self.seconds = seconds
         self.model = model
         self.min_tokens = min_tokens
         self.fast_room = fast_room        # tokens the step may still add on the decode stack; None: no line
+        self.fast_context = fast_context  # and the position its chunks must end within
         self.step_seconds = step_seconds  # the step's predicted time so far (its decodes, then its chunks)
         self.granted_any = False
 
@@ -72,7 +73,7 @@ class PrefillAllowance:
         n = min(wanted, self.tokens)
         if self.seconds is not None and n > 0:
             fit = self.model.prefill_tokens_within(self.seconds, context)
-            if self.fast_room is not None and min(n, fit) > self.fast_room:
+            if self.fast_room is not None and min(n, fit) > self._room(context):
                 fit = self._across_the_line(context, min(n, fit))
             if not self.granted_any:  # the head of the queue always advances
                 fit = max(fit, self.min_tokens)
@@ -82,7 +83,7 @@ class PrefillAllowance:
     def _across_the_line(self, context: int, wanted: int) -> int:
         """A chunk that would take the step off the decode stack: the tokens that fit once the eager pass
         is paid, if that beats stopping at the line (in prefill tokens per second of step), else the line."""
-        stay = self.fast_room
+        stay = self._room(context)
         over = min(wanted, self.model.prefill_tokens_within(self.seconds - self.model.eager_seconds, context))
         if over <= stay:
             return stay
@@ -90,13 +91,17 @@ class PrefillAllowance:
         over_seconds = self.step_seconds + self.model.eager_seconds + self.model.prefill_seconds(context, over)
         return over if over / over_seconds > stay_rate else stay
 
+    def _room(self, context: int) -> int:
+        """The most tokens a chunk after ``context`` computed ones takes while the step stays on the stack."""
+        return max(min(self.fast_room, self.fast_context - context), 0)
+
     def spend(self, context: int, n: int) -> None:
         """Record a chunk of ``n`` tokens (after ``context`` computed ones) as scheduled."""
         self.tokens -= n
         if self.seconds is not None:
             cost = self.model.prefill_seconds(context, n)
             if self.fast_room is not None:
-                if n > self.fast_room:  # off the decode stack: the eager pass is paid, once
+                if n > self._room(context):  # off the decode stack: the eager pass is paid, once
                     cost += self.model.eager_seconds
                     self.fast_room = None
                 else:
@@ -143,10 +148,12 @@ class StepBudget:
             return PrefillAllowance(tokens)
         target = self.target_seconds(decode_rows + pending_rows, decode_context + pending_context)
         self.last_target_seconds = target
-        decode = self.model.decode_seconds(decode_rows, decode_context)
         step_tokens = decode_rows if step_tokens is None else step_tokens
-        fast = self.model.fast_tokens(decode_only=False)
-        # a step whose decodes already leave the stack has no line left to cross
-        on_stack = fast is not None and decode_rows <= self.model.fast_tokens(decode_only=True)
-        return PrefillAllowance(tokens, max(target - decode, 0.0), self.model,
-                                fast_room=max(fast - step_tokens, 0) if on_stack else None, step_seconds=decode)
+        limits = self.model.stack_limits
+        if limits is None or step_tokens >= limits.mixed_rows:  # no line, or the decodes alone are past it
+            decode = self.model.decode_seconds(decode_rows, decode_context)
+            return PrefillAllowance(tokens, max(target - decode, 0.0), self.model, step_seconds=decode)
+        # with chunks inside the line the step runs whole on the stack, even where its decodes alone would not
+        decode = self.model.decode_seconds(decode_rows, decode_context, whole=True)
+        return PrefillAllowance(tokens, max(target - decode, 0.0), self.model, fast_room=limits.mixed_rows - step_tokens,
+                                fast_context=limits.mixed_context, step_seconds=decode)

@@ -9,10 +9,10 @@ the same projections), ``decode_context`` the KV positions the decode rows read,
 ``prefill_pairs`` the causal query-key pairs of the prefill chunks (a chunk of ``n`` tokens after
 ``p`` computed ones: ``n * (p + (n + 1) / 2)``). ``c0`` holds what does not grow with the batch
 (streaming the weights once at small batch, the per-step Python). ``eager`` is 1 when a CPU engine
-with a decode stack runs (part of) the step through the eager model: the step is too large for the
-stack (``StepTimeModel.fast_rows``), so the weights are read a second time and the per-layer torch
-calls add up; measured on cpu-llama float32 that is a jump from 14 to 37 ms just past 64 tokens, which
-no per-token price can express. Without a decode stack (GPU, other families) the feature is always 0.
+with a decode stack runs (part of) the step through the eager model: the step is more than the
+stack runs whole (``StepTimeModel.stack_limits``), so the weights are read a second time and the per-layer torch
+calls add up; measured on cpu-llama float32 (when the stack's line was 64 tokens) a jump from 14 to
+37 ms just past it, which no per-token price can express. Without a decode stack (GPU, other families) the feature is always 0.
 
 The coefficients come from a few timed dummy steps when the engine starts (:func:`calibrate`), and
 are refitted every few steps from the steps the engine actually ran: a weighted least-squares fit
@@ -27,9 +27,12 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..kernels.cpu_decode_stack import StackLimits
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +56,10 @@ class StepFeatures:
         return np.array([1.0, self.tokens, self.decode_context, self.prefill_pairs, self.eager])
 
     @classmethod
-    def of_batch(cls, batch: Any, fast_rows: tuple[int, int] | None = None) -> "StepFeatures":
+    def of_batch(cls, batch: Any, limits: StackLimits | None = None) -> "StepFeatures":
         """The features of a scheduled batch (its ``seqs`` and ``num_new_tokens``; read before the step
         advances its sequences). Typed loosely: the scheduler imports this module, not the reverse.
-        ``fast_rows``: what the decode stack runs whole (``StepTimeModel.fast_rows``)."""
+        ``limits``: what the decode stack runs whole (``StepTimeModel.stack_limits``)."""
         tokens = context = 0
         pairs = 0.0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -66,16 +69,14 @@ class StepFeatures:
                 context += done + 1
             else:
                 pairs += prefill_pairs(done, n)
-        return cls(tokens, context, pairs, eager_pass(batch.num_new_tokens, fast_rows))
+        ends = [seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        return cls(tokens, context, pairs, eager_pass(batch.num_new_tokens, ends, limits))
 
 
-def eager_pass(num_new_tokens: list[int], fast_rows: tuple[int, int] | None) -> int:
-    """1 when a step of these new-token counts is too large for the decode stack to run whole."""
-    if fast_rows is None:
-        return 0
-    tokens = sum(num_new_tokens)
-    decode_only = all(n == 1 for n in num_new_tokens)
-    return int(tokens > (fast_rows[0] if decode_only else fast_rows[1]))
+def eager_pass(num_new_tokens: list[int], ends: list[int], limits: StackLimits | None) -> int:
+    """1 when a step of these new-token counts (sequence ``i`` reaching position ``ends[i]``) is more than
+    the decode stack runs whole; 0 without a stack."""
+    return int(limits is not None and not limits.runs_whole(num_new_tokens, ends))
 
 
 def prefill_pairs(context: int, n: int) -> float:
@@ -94,8 +95,7 @@ class StepTimeModel:
         self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=WINDOW_STEPS)
         self._since_fit = 0
         self.num_observed = 0
-        # what the engine's CPU decode stack runs whole: (decode rows, tokens one row each); None: no stack
-        self.fast_rows: tuple[int, int] | None = None
+        self.stack_limits: StackLimits | None = None  # what the engine's CPU decode stack runs whole
 
     @property
     def calibrated(self) -> bool:
@@ -106,23 +106,18 @@ class StepTimeModel:
 
     def features(self, batch: Any) -> StepFeatures:
         """The features of a scheduled batch, on this engine."""
-        return StepFeatures.of_batch(batch, self.fast_rows)
+        return StepFeatures.of_batch(batch, self.stack_limits)
 
     @property
     def eager_seconds(self) -> float:
         """What a step pays for leaving the decode stack (0 without one)."""
         return float(self.coefficients[4])
 
-    def fast_tokens(self, decode_only: bool) -> int | None:
-        """The most tokens a step keeps on the decode stack (None: no stack)."""
-        if self.fast_rows is None:
-            return None
-        return self.fast_rows[0] if decode_only else self.fast_rows[1]
-
-    def decode_seconds(self, rows: int, context: int) -> float:
-        """A decode-only step of ``rows`` sequences reading ``context`` KV positions in all."""
+    def decode_seconds(self, rows: int, context: int, whole: bool = False) -> float:
+        """A decode-only step of ``rows`` sequences reading ``context`` KV positions in all (``whole``: as the
+        decode part of a step the decode stack runs whole, without the eager pass)."""
         c = self.coefficients
-        eager = self.fast_rows is not None and rows > self.fast_rows[0]
+        eager = not whole and self.stack_limits is not None and rows > self.stack_limits.decode_rows
         return c[0] + c[1] * rows + c[2] * context + (c[4] if eager else 0.0)
 
     def prefill_seconds(self, context: int, n: int) -> float:
@@ -236,7 +231,8 @@ def calibrate(model: StepTimeModel, runner: Any, max_tokens: int, max_seqs: int,
             best = min(best, time.perf_counter() - begin)
         context = sum(s + 1 for s, n in zip(starts, lengths) if n == 1)
         pairs = sum(prefill_pairs(s, n) for s, n in zip(starts, lengths) if n > 1)
-        points.append((StepFeatures(sum(lengths), context, pairs, eager_pass(lengths, model.fast_rows)), best))
+        ends = [s + n for s, n in zip(starts, lengths)]
+        points.append((StepFeatures(sum(lengths), context, pairs, eager_pass(lengths, ends, model.stack_limits)), best))
     model.calibrate_with(points)
     logger.info("step time model: %s", describe(model))
 
@@ -245,4 +241,4 @@ def describe(model: StepTimeModel) -> str:
     c = model.coefficients
     return (f"{1e3 * c[0]:.2f} ms per step + {1e6 * c[1]:.1f} us per token + {1e9 * c[2]:.1f} ns per decode "
             f"context position + {1e9 * c[3]:.2f} ns per prefill query-key pair"
-            + (f" + {1e3 * c[4]:.2f} ms per step past the decode stack" if model.fast_rows is not None else ""))
+            + (f" + {1e3 * c[4]:.2f} ms per step past the decode stack" if model.stack_limits is not None else ""))

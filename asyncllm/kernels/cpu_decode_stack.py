@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -46,9 +47,37 @@ PANEL = 32  # output columns per panel (csrc/decode_stack.c)
 # Speculative verification steps of one or two sequences (1 + k rows each) also run here, one row per token:
 # the general path's per-layer torch calls cost more than the extra rows (docs/decoding.md).
 MAX_CHAINED_ROWS = 8
-# ... and on panels, any step of up to MAX_PANEL_ROWS tokens: a stall-free step of a few decodes and a small
-# prefill chunk then reads the weights once, where cutting it in two (model/mixed_steps.py) reads them twice
-# (cpu-llama float32: a 64-token prompt in 7.6 ms against 16.0 ms eagerly; docs/async.md#smooth-streams).
+# ... and on panels, any step of up to MAX_PANEL_ROWS tokens, and a step of decodes beside prefill chunks of up to
+# MAX_MIXED_ROWS tokens whose chunks end within MAX_MIXED_CONTEXT positions: such a step then reads the weights once,
+# where cutting it in two (model/mixed_steps.py) reads them twice and pays the modules' per-layer calls. Measured
+# on cpu-llama float32 (docs/cpu.md#the-decode-stack): a 64-token prompt alone 7.6 vs 16.0 ms through the modules;
+# W-STREAM at 64 streams 902 vs 824-857 tokens/s. A prompt alone past 64 tokens goes to the modules, whose flash
+# attention reads each key once for all the chunk's rows where the stack's rows read it one by one (512 tokens:
+# 70 vs 58-62 ms); so does a chunk deep in a long prompt, for the same reason.
+MAX_MIXED_ROWS = 512
+MAX_MIXED_CONTEXT = 1024
+
+
+@dataclass(frozen=True)
+class StackLimits:
+    """Which steps the decode stack runs whole (one C call); larger ones take an eager pass through the modules."""
+
+    decode_rows: int       # a decode-only step of at most this many rows
+    chained_rows: int      # any step of at most this many tokens, one row per token
+    mixed_rows: int        # a step with decodes beside prefill chunks, of at most this many tokens ...
+    mixed_context: int     # ... whose chunks all end within this many positions
+
+    def runs_whole(self, num_new_tokens: list[int], ends: list[int]) -> bool:
+        """Whether a step of these new-token counts (sequence ``i`` reaching position ``ends[i]``) runs whole."""
+        tokens = sum(num_new_tokens)
+        if all(n == 1 for n in num_new_tokens):
+            return tokens <= self.decode_rows
+        if tokens <= self.chained_rows:
+            return True
+        return (tokens <= self.mixed_rows and any(n == 1 for n in num_new_tokens)
+                and all(end <= self.mixed_context for n, end in zip(num_new_tokens, ends) if n > 1))
+
+
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
                  "gate_up_scales", "down_scales", "qkv_bias", "k_cache", "v_cache", "qkv_zeros", "o_zeros",
@@ -217,6 +246,8 @@ class DecodeStack:
         # 4 bits: int4_linear.c's loops, register tiles up to 12 rows and widened panels above (its MB: 64)
         self.max_rows = MAX_PANEL_ROWS if self.panels or weights == "int4" else MAX_ROWS
         self.max_chained_rows = MAX_PANEL_ROWS if self.panels else MAX_CHAINED_ROWS
+        self.limits = StackLimits(self.max_rows, self.max_chained_rows,
+                                  MAX_MIXED_ROWS if self.panels else self.max_chained_rows, MAX_MIXED_CONTEXT)
         self.model = model
         # kv_cache_dtype="bfloat16": the kernel rounds the new keys/values into the cache and widens them as it reads
         self.kv_bf16 = kv_caches[0][0].dtype == torch.bfloat16
@@ -292,7 +323,7 @@ class DecodeStack:
     def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """A decode-only step small enough for this path (or a multi-token step laid out as one,
         one row per token: ``meta.chained``)."""
-        limit = self.max_chained_rows if meta.chained else self.max_rows
+        limit = max(self.limits.chained_rows, self.limits.mixed_rows) if meta.chained else self.max_rows
         return num_tokens <= limit and len(meta.decode_indices) == meta.num_seqs == num_tokens
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from ..distributed.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from ..distributed.sharding import Sharding
 from ..errors import ConfigError, ModelLoadError
 from ..kernels.cpu_attention import CpuAttentionBackend
-from ..kernels.cpu_decode_stack import DecodeStack
+from ..kernels.cpu_decode_stack import DecodeStack, StackLimits
 from ..kernels.cpu_linear import pack_linear_layers
 from ..kernels.cpu_memory import keep_large_buffers
 from ..kernels.cpu_panel_linear import PanelEmbedding, PanelLinear
@@ -487,13 +487,12 @@ class ModelRunner:
         return ids, positions, meta, _Gathers.of(step, self.device)
 
     @property
-    def fast_rows(self) -> tuple[int, int] | None:
-        """The largest steps the CPU decode stack runs whole: (decode-only rows, tokens of a step laid out
-        one row per token); None without a decode stack. Larger steps pay an eager model pass, whose
-        weight read the stall-free policy's step-time model prices apart (engine/step_time.py)."""
+    def stack_limits(self) -> StackLimits | None:
+        """Which steps the CPU decode stack runs whole; None without one. Other steps pay an eager model
+        pass, which the stall-free policy's step-time model prices apart (engine/step_time.py)."""
         if self.decode_stack is None or not self._host_decode_path:
             return None
-        return self.decode_stack.max_rows, self.decode_stack.max_chained_rows
+        return self.decode_stack.limits
 
     @property
     def _host_decode_path(self) -> bool:
@@ -541,8 +540,10 @@ class ModelRunner:
     def _fits_chained(self, step: StepInput) -> bool:
         """A small multi-token step (a speculative verification, or decodes beside a small prefill chunk)
         the decode stack can run row by row."""
-        return (self.decode_stack is not None and not self.lora.groups
-                and len(step.token_ids) <= self.decode_stack.max_chained_rows)
+        if self.decode_stack is None or self.lora.groups:
+            return False
+        ends = [start + n for start, n in zip(step.start_positions, step.num_new_tokens)]
+        return self.decode_stack.limits.runs_whole(step.num_new_tokens, ends)
 
     def _prepare_rows(self, step: StepInput, chained: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``_prepare`` of a CPU step laid out one row per token: a decode-only step (the batch-1

@@ -554,3 +554,22 @@ def test_bf16_batch_phases_tiny_run(model_dir_factory, tmp_path, capsys):
     assert "float32-sdpa: prefill" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bf16_batch_phases.main(["--ways", "fast"])
+
+
+def test_wave_steps_tiny_run(model_dir_factory, tmp_path, capsys):
+    """The wave trace at toy size: the cold steps are timed as often as asked, every prompt token of the wave is
+    in a listed step, and the report's TTFTs are ordered."""
+    from benchmarks import wave_steps
+
+    out = tmp_path / "wave.json"
+    assert wave_steps.main(["--model-dir", str(model_dir_factory("llama")), "--streams", "2", "--prompt-len", "8",
+                            "--new-tokens", "3", "--cold-repeats", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [len(c["ms"]) for c in report["cold_steps"]] == [2, 2]
+    assert all(c["tokens"] == 8 * c["rows"] for c in report["cold_steps"])
+    wave = report["wave"]
+    assert sum(s["prompt_tokens"] for s in wave["prompt_steps"]) == 4 * 8  # 2 streams x 2 prompts each
+    assert 0 < wave["ttft_ms"]["p50"] <= wave["ttft_ms"]["max"]
+    assert "wave:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        wave_steps.main(["--streams", "0"])

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch
                                 reason="this torch build has no oneDNN")
 
 
-@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+@pytest.mark.parametrize("rows", [0, 1, 7, 33, 64, 257])  # 33 and 257 run padded to their row buckets
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_linear(rows, bias):
     torch.manual_seed(rows)

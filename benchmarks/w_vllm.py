@@ -711,7 +711,7 @@ def model_directory(args: argparse.Namespace) -> str:
         return str(target)
     from benchmarks import w_real
 
-    return str(w_real.ensure_hf_dir(w_real.DEFAULT_WORK_DIR))
+    return w_real.default_hf_dir()
 
 
 def find_venv(args: argparse.Namespace) -> tuple[Path | None, str | None]:

@@ -25,30 +25,14 @@ import sys
 import time
 from typing import Any
 
+from benchmarks import w_real
 from benchmarks.measure import utc_now, write_report
-
-
-def _default_model_dir() -> str:
-    from benchmarks import w_real
-
-    return str(w_real.ensure_hf_dir(w_real.DEFAULT_WORK_DIR))
-
-
-def _dummy_prefill(runner: Any, rows: int, length: int) -> Any:
-    """A prefill step of ``rows`` fresh sequences of ``length`` tokens on consecutive KV blocks (the engine holds
-    none: nothing is running)."""
-    from asyncllm.model.step_io import StepInput
-
-    per_row = -(-length // runner.block_size)
-    tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
-    return StepInput(token_ids=[5] * (rows * length), start_positions=[0] * rows, num_new_tokens=[length] * rows,
-                     block_tables=tables, logit_rows=[(r + 1) * length - 1 for r in range(rows)],
-                     loras=[None] * rows)
 
 
 def cold_steps(model_dir: str, prompt_len: int, repeats: int, max_model_len: int) -> list[dict[str, Any]]:
     """Milliseconds of each dummy prefill step, in order, per step size."""
     from asyncllm import LLM
+    from asyncllm.engine.step_time import dummy_step
 
     llm = LLM(model_dir, dtype="bfloat16", device="cpu", max_model_len=max_model_len, skip_tokenizer_init=True,
               generation_config="none")
@@ -61,8 +45,9 @@ def cold_steps(model_dir: str, prompt_len: int, repeats: int, max_model_len: int
             rows = max(1, min(tokens // length, runner.num_blocks // per_row_blocks, llm.engine.config.max_num_seqs))
             times = []
             for _ in range(repeats):
+                step = dummy_step([0] * rows, [length] * rows, runner.block_size, runner.num_blocks)
                 start = time.perf_counter()
-                runner.execute(_dummy_prefill(runner, rows, length)).logits.argmax(dim=-1).tolist()
+                runner.execute(step).logits.argmax(dim=-1).tolist()
                 times.append(round(1e3 * (time.perf_counter() - start), 1))
             out.append({"tokens": rows * length, "rows": rows, "ms": times})
             print(f"cold steps: {rows * length} prompt tokens: " + " / ".join(f"{t:.1f}" for t in times) + " ms",
@@ -148,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("streams", "prompt_len", "new_tokens", "cold_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    model_dir = args.model_dir or _default_model_dir()
+    model_dir = args.model_dir or w_real.default_hf_dir()
     max_model_len = args.prompt_len + args.new_tokens + 16
     cold = cold_steps(model_dir, args.prompt_len, args.cold_repeats, max_model_len)
     waves = asyncio.run(wave(model_dir, args.streams, args.prompt_len, args.new_tokens, max_model_len))

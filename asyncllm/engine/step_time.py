@@ -12,7 +12,8 @@ the same projections), ``decode_context`` the KV positions the decode rows read,
 with a decode stack runs (part of) the step through the eager model: the step is more than the
 stack runs whole (``StepTimeModel.stack_limits``), so the weights are read a second time and the per-layer torch
 calls add up; measured on cpu-llama float32 (when the stack's line was 64 tokens) a jump from 14 to
-37 ms just past it, which no per-token price can express. Without a decode stack (GPU, other families) the feature is always 0.
+37 ms just past it, which no per-token price can express. Without a decode stack (GPU, other families) the
+feature is always 0.
 
 The coefficients come from a few timed dummy steps when the engine starts (:func:`calibrate`), and
 are refitted every few steps from the steps the engine actually ran: a weighted least-squares fit
@@ -198,31 +199,37 @@ def calibration_steps(max_tokens: int, num_blocks: int, block_size: int, max_seq
     return steps
 
 
+def dummy_step(starts: list[int], lengths: list[int], block_size: int, num_blocks: int) -> Any:
+    """A step of token id 1 for sequences at ``starts`` taking ``lengths`` new tokens each, on KV blocks counted
+    from 0 (rows share blocks when the pool is too small for all of them), one logits row per sequence. Only for
+    an engine that holds no sequence yet: it writes KV into whatever blocks it names."""
+    from ..model.step_io import StepInput
+
+    tables, next_block = [], 0
+    for start, n in zip(starts, lengths):
+        count = -(-(start + n) // block_size)
+        if next_block + count > num_blocks:  # rows share blocks when the pool is tiny
+            next_block = 0
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    logit_rows, flat = [], 0
+    for n in lengths:
+        flat += n
+        logit_rows.append(flat - 1)
+    return StepInput(token_ids=[1] * sum(lengths), start_positions=list(starts), num_new_tokens=list(lengths),
+                     block_tables=tables, logit_rows=logit_rows, loras=[None] * len(lengths))
+
+
 def calibrate(model: StepTimeModel, runner: Any, max_tokens: int, max_seqs: int, max_model_len: int,
               repeats: int = 2) -> None:
     """Time a few dummy steps on ``runner`` (fastest of ``repeats`` runs each) and fit ``model``.
 
     The steps write KV into blocks that no sequence holds yet (the engine has not started), so
     nothing is disturbed: a block's slots are always written before they are read."""
-    from ..model.step_io import StepInput
-
     block_size, num_blocks = runner.block_size, runner.num_blocks
     points = []
     for starts, lengths in calibration_steps(max_tokens, num_blocks, block_size, max_seqs, max_model_len):
-        tables, next_block = [], 0
-        for start, n in zip(starts, lengths):
-            count = -(-(start + n) // block_size)
-            if next_block + count > num_blocks:  # rows share blocks when the pool is tiny
-                next_block = 0
-            tables.append(list(range(next_block, next_block + count)))
-            next_block += count
-        tokens = [1] * sum(lengths)
-        logit_rows, flat = [], 0
-        for n in lengths:
-            flat += n
-            logit_rows.append(flat - 1)
-        step = StepInput(token_ids=tokens, start_positions=list(starts), num_new_tokens=list(lengths),
-                         block_tables=tables, logit_rows=logit_rows, loras=[None] * len(lengths))
+        step = dummy_step(starts, lengths, block_size, num_blocks)
         best = math.inf
         for _ in range(repeats):
             begin = time.perf_counter()

@@ -11,6 +11,10 @@ made once in ``--work-dir``) is
   groups: 576 = 9 x 64), the other tensors float32;
 - converted to a float32 GGUF, then ``llama-quantize``d to Q4_0 and Q4_K_M.
 
+Two more asyncllm engines run only when named in ``--engines``: ``asyncllm-gptq4-g64-actorder`` (GPTQ 4-bit with
+act-order, groups of 64) and ``asyncllm-gptq8-asym`` (GPTQ 8-bit with zero points, groups of 128), the layouts of
+the CPU decode stack's act-order and byte paths (``ASYNCLLM_CPU_DECODE_STACK=0`` runs them without it).
+
 asyncllm runs each checkpoint twice: ``dtype="float32"`` (``asyncllm-gptq4``, ``asyncllm-awq4``) and
 ``dtype="bfloat16"`` (``...-bf16``: the 4-bit projections as stored, the float LM head and its tied table read as
 bf16 panels, as llama.cpp's files quantize theirs).
@@ -38,29 +42,39 @@ from benchmarks.measure import utc_now, write_report
 GPTQ, AWQ = "asyncllm-gptq4", "asyncllm-awq4"
 # the same checkpoints with dtype="bfloat16": the float LM head (SmolLM2's tied table) read as bf16 panels
 GPTQ_BF16, AWQ_BF16 = "asyncllm-gptq4-bf16", "asyncllm-awq4-bf16"
+# not run by default: layouts of the decode stack's other quantized paths, act-order 4 bits (groups of 64: act-order
+# needs whole groups) and asymmetric 8 bits (GroupQuantLinear bytes with zero points)
+GPTQ_ACT, GPTQ8 = "asyncllm-gptq4-g64-actorder", "asyncllm-gptq8-asym"
 Q4_0, Q4_K_M = "llamacpp-q4_0", "llamacpp-q4_k_m"
 ENGINES = (GPTQ, AWQ, GPTQ_BF16, AWQ_BF16, Q4_0, Q4_K_M)
+EXTRA_ENGINES = (GPTQ_ACT, GPTQ8)
 ASYNCLLM = {GPTQ: (GPTQ, "float32"), AWQ: (AWQ, "float32"), GPTQ_BF16: (GPTQ, "bfloat16"),
-            AWQ_BF16: (AWQ, "bfloat16")}  # engine: (its checkpoint, its dtype)
+            AWQ_BF16: (AWQ, "bfloat16"), GPTQ_ACT: (GPTQ_ACT, "float32"),
+            GPTQ8: (GPTQ8, "float32")}  # engine: (its checkpoint, its dtype)
+# checkpoint: (directory name, the writer's arguments)
+CHECKPOINTS = {GPTQ: ("smollm2-gptq-4bit-g128", dict(bits=4, group_size=128, sym=True)),
+               AWQ: ("smollm2-awq-4bit-g64", dict(group_size=64)),
+               GPTQ_ACT: ("smollm2-gptq-4bit-g64-actorder", dict(bits=4, group_size=64, sym=True, desc_act=True)),
+               GPTQ8: ("smollm2-gptq-8bit-g128-asym", dict(bits=8, group_size=128, sym=False,
+                                                           checkpoint_format="gptq_v2"))}
 QUANT_TYPES = {Q4_0: "Q4_0", Q4_K_M: "Q4_K_M"}
 TARGETS = {"batch_1": 1.0, "batch_32": 1.3, "memory": 1.3}  # vs llama.cpp Q4_0; resident / checkpoint bytes
 
 
 def ensure_quantized(hf_dir: Path, work_dir: Path, engine: str) -> Path:
-    """The GPTQ or AWQ directory made from ``hf_dir`` (once)."""
+    """The GPTQ or AWQ directory of checkpoint ``engine`` (:data:`CHECKPOINTS`) made from ``hf_dir`` (once)."""
     import torch
 
     from asyncllm.toy import quantized
 
-    target = work_dir / ("smollm2-gptq-4bit-g128" if engine == GPTQ else "smollm2-awq-4bit-g64")
+    name, options = CHECKPOINTS[engine]
+    target = work_dir / name
     if (target / "config.json").is_file():
         return target
     w_real.log(f"making {target.name} ...")
     tmp = target.with_name(target.name + ".tmp")
-    if engine == GPTQ:
-        quantized.write_gptq(hf_dir, tmp, bits=4, group_size=128, sym=True, dtype=torch.float32)
-    else:
-        quantized.write_awq(hf_dir, tmp, group_size=64, dtype=torch.float32)
+    writer = quantized.write_awq if engine == AWQ else quantized.write_gptq
+    writer(hf_dir, tmp, dtype=torch.float32, **options)
     tmp.rename(target)
     return target
 
@@ -135,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-dir", type=Path, default=w_real.DEFAULT_LLAMACPP_DIR)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    args.engines = [e for e in ENGINES if e in args.engines.split(",")]
+    args.engines = [e for e in (*ENGINES, *EXTRA_ENGINES) if e in args.engines.split(",")]
     args.threads = args.threads or w_real._usable_cores()
     return args
 

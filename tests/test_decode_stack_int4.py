@@ -1,6 +1,7 @@
-"""The CPU decode stack on 4-bit checkpoints (kernels/cpu_decode_stack.py, weights "int4"): GPTQ / AWQ layers
-read as their packed nibbles must give the module path's tokens and log-probabilities, at one row, a few,
-and past the register tiles (widened panels); layouts the kernel does not take leave it off."""
+"""The CPU decode stack on 4-bit and 8-bit zero-point checkpoints (kernels/cpu_decode_stack.py, weights "int4" and
+"uint8"): GPTQ / AWQ layers read as their packed nibbles or bytes, act-order ones included, must give the module
+path's tokens and log-probabilities, at one row, a few, and past the register tiles (widened panels); layouts the
+kernel does not take leave it off."""
 
 from __future__ import annotations
 
@@ -100,11 +101,69 @@ def test_gptq4_padded_partial_last_group(model_dir_factory, tmp_path):
         assert _compare(llm, _prompts(16, seed=8)) >= 19
 
 
-@pytest.mark.parametrize("options", [dict(bits=4, group_size=32, sym=True, desc_act=True),
-                                     dict(bits=8, group_size=-1, sym=False)], ids=["actorder", "8-bit-zero-points"])
-def test_stack_off_for_layouts_it_does_not_read(source, tmp_path, options):
-    with LLM(str(qc.write_gptq(source, tmp_path / "q", **options)), dtype="float32") as llm:
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_gptq4_act_order(source, tmp_path, sym):
+    """desc_act: the columns are stored sorted by group and the kernel gathers each input row by ``perm`` first;
+    one row, a few, and past the register tiles on two threads."""
+    path = qc.write_gptq(source, tmp_path / "q", bits=4, group_size=32, sym=sym, desc_act=True, seed=3)
+    with LLM(str(path), dtype="float32", block_size=4, max_num_seqs=16) as llm:
+        stack = _stack(llm)
+        layer = llm.engine.runner.model.model.layers[0]
+        perm = layer.mlp.down_proj.perm
+        assert stack.group == 32 and perm is not None and not torch.equal(perm, torch.arange(perm.numel()))
+        assert _compare(llm, _prompts(1)) >= 19
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert _compare(llm, _prompts(14, seed=10)) >= 19
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_act_order_stack_equals_the_stack_switched_off(source, tmp_path, monkeypatch):
+    """Against the module path of a separate engine (no shared state): same tokens, log-probabilities to 1e-4."""
+    path = qc.write_gptq(source, tmp_path / "q", bits=4, group_size=32, sym=False, desc_act=True, seed=4)
+    prompts = _prompts(3, seed=11)
+    with LLM(str(path), dtype="float32", block_size=4) as llm:
+        _stack(llm)
+        fused = llm.generate(prompts, GREEDY)
+    monkeypatch.setenv(cpu_decode_stack.ENV_SWITCH, "0")
+    with LLM(str(path), dtype="float32", block_size=4) as llm:
         assert llm.engine.runner.decode_stack is None
+        plain = llm.generate(prompts, GREEDY)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())) for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())) for d in b.outputs[0].logprobs]
+        assert la == pytest.approx(lb, abs=1e-4)
+
+
+@pytest.mark.parametrize("options", [dict(group_size=-1), dict(group_size=32, desc_act=True)],
+                         ids=["per-row", "g32-actorder"])
+def test_gptq8_zero_points(source, tmp_path, options):
+    """Asymmetric 8-bit GPTQ (GroupQuantLinear bytes with zero points; symmetric 8 bits are Int8Linear): read as
+    bytes by the same loops; one row, a few, and past the register tiles on two threads."""
+    path = qc.write_gptq(source, tmp_path / "q", bits=8, sym=False, seed=5, **options)
+    with LLM(str(path), dtype="float32", block_size=4, max_num_seqs=16) as llm:
+        stack = llm.engine.runner.decode_stack
+        assert stack is not None and stack.weights == "uint8" and stack.max_rows == MAX_PANEL_ROWS
+        down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert isinstance(down, GroupQuantLinear) and down.bits == 8
+        assert stack.group == (0 if options["group_size"] == -1 else 32)
+        assert _compare(llm, _prompts(1)) >= 19
+        assert _compare(llm, _prompts(3, seed=12)) >= 19
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert _compare(llm, _prompts(14, seed=13)) >= 19
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_stack_off_for_layouts_it_does_not_read(source, tmp_path):
+    with LLM(str(qc.write_gptq(source, tmp_path / "q", bits=4, group_size=16, sym=True)), dtype="float32") as llm:
+        assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, GroupQuantLinear)
+        assert llm.engine.runner.decode_stack is None  # groups of 16 columns (the kernel takes multiples of 32)
 
 
 def test_mixed_or_uneven_layers_are_refused():
@@ -115,15 +174,19 @@ def test_mixed_or_uneven_layers_are_refused():
 
     assert _int4_group([("qkv", layer()), ("down", layer(k=128))]) == 32
     assert _int4_group([("qkv", layer(group=64)), ("down", layer(k=128, group=128))]) == 0  # a group per row
-    for modules in ([("qkv", layer()), ("down", nn.Linear(64, 32))],
+    assert _int4_group([("qkv", layer(bits=8)), ("down", layer(k=128, bits=8))], bits=8) == 32
+    uneven = layer()
+    uneven.group_index = torch.zeros(64, dtype=torch.int64)  # act-order cut unevenly by a tensor-parallel rank
+    for modules in ([("qkv", layer()), ("down", nn.Linear(64, 32))], [("qkv", uneven)],
                     [("qkv", layer()), ("down", layer(k=128, group=64))],
-                    [("qkv", layer(bits=8))]):
+                    [("qkv", layer(bits=8))], [("qkv", layer(bits=8)), ("down", layer(k=128))]):
         with pytest.raises(TypeError):
             _int4_group(modules)
 
 
-def test_int4_stack_built_without_avx512(gptq4, tmp_path, monkeypatch):
-    """The AVX2 build of the kernel (no nibble tables: masked, converted, dequantized) gives the same tokens."""
+def test_int4_stack_built_without_avx512(gptq4, source, tmp_path, monkeypatch):
+    """The AVX2 build of the kernel (no nibble tables: masked, converted, dequantized) gives the same tokens, on
+    nibbles and on act-order bytes with zero points."""
     from asyncllm.kernels.cpu_build import _FLAGS, BuildError, build_variant
 
     path, _ = gptq4
@@ -137,3 +200,8 @@ def test_int4_stack_built_without_avx512(gptq4, tmp_path, monkeypatch):
         assert _stack(llm).max_rows == MAX_PANEL_ROWS
         assert _compare(llm, _prompts(1)) >= 19
         assert _compare(llm, _prompts(14, seed=9)) >= 19
+    bytes_path = qc.write_gptq(source, tmp_path / "q8", bits=8,
+                               group_size=32, sym=False, desc_act=True)
+    with LLM(str(bytes_path), dtype="float32", block_size=4, max_num_seqs=16) as llm:
+        assert llm.engine.runner.decode_stack.weights == "uint8"
+        assert _compare(llm, _prompts(3, seed=14)) >= 19

@@ -13,9 +13,10 @@ Float32 projections are read as panels of 32 output columns (:func:`to_panels`, 
 oneDNN-packed copies serve the regular path, so float32 weights are held twice while this path is
 on; ``ASYNCLLM_CPU_DECODE_STACK=0`` turns it off); builds without AVX-512 read them row-major.
 Int8 projections are read straight from their ``qweight``/``scales`` buffers (no second copy), and so are
-4-bit ones (``GroupQuantLinear`` of a GPTQ / AWQ / compressed-tensors checkpoint: ``packed`` nibbles,
-``scales``, ``zeros``; one group size for every projection, a padded partial last group included; no
-act-order), by int4_linear.c's loops, for batches up to :data:`MAX_PANEL_ROWS` rows.
+4-bit and asymmetric 8-bit ones (``GroupQuantLinear`` of a GPTQ / AWQ / compressed-tensors checkpoint:
+``packed`` nibbles or bytes, ``scales``, ``zeros``; one group size for every projection, a padded partial
+last group included; act-order layers gather their input by ``perm`` first, unless a tensor-parallel cut
+left their groups uneven), by int4_linear.c's loops, for batches up to :data:`MAX_PANEL_ROWS` rows.
 Not used for LoRA steps, Qwen3's q/k norms, families whose layers are not Llama's (``DecoderShape.llama_math``,
 plain full-width rope), or shapes the kernel does not take (widths not a multiple of 8).
 """
@@ -81,9 +82,11 @@ class StackLimits:
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
                  "gate_up_scales", "down_scales", "qkv_bias", "k_cache", "v_cache", "qkv_zeros", "o_zeros",
-                 "gate_up_zeros", "down_zeros")
+                 "gate_up_zeros", "down_zeros", "qkv_perm", "o_perm", "gate_up_perm", "down_perm")
 # the weights' kinds the kernel reads (its ``kind`` argument)
-WEIGHT_KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 3}  # bfloat16: panels of bf16 values (AVX-512)
+# bfloat16: panels of bf16 values (AVX-512); uint8: GroupQuantLinear's 8-bit codes with zero points
+WEIGHT_KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 3, "uint8": 4}
+GROUP_QUANT_BITS = {"int4": 4, "uint8": 8}  # the GroupQuantLinear kinds, by their bits
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -174,9 +177,9 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
-def _projection(module: nn.Module, weights: str, panels: bool) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                        torch.Tensor | None, torch.Tensor | None]:
-    """(weight as the kernel reads it, scales or None, zeros or None, bias or None) of a projection: nn.Linear
+def _projection(module: nn.Module, weights: str, panels: bool) -> dict[str, torch.Tensor | None]:
+    """The kernel's view of a projection: ``weight`` (as the kernel reads it), ``scales``, ``zeros``, ``bias``
+    and ``perm`` (the act-order gather of the input), each None where the layer has none. Of nn.Linear
     (row-major, or panels), Int8Linear (row-major int8) or a 4-bit GroupQuantLinear (packed nibbles, checked
     by :func:`_int4_group`). A module of another kind than ``weights`` raises TypeError."""
     if weights in ("float32", "bfloat16"):
@@ -184,30 +187,38 @@ def _projection(module: nn.Module, weights: str, panels: bool) -> tuple[torch.Te
             raise TypeError(f"{type(module).__name__} among {weights} projections")
         weight = module.weight.detach()
         if weights == "bfloat16":  # the values are bf16-rounded already (the runner rounds them): exact
-            return pair_panels_bf16(weight), None, None, module.bias
-        return (to_panels(weight) if panels else weight.contiguous()), None, None, module.bias
-    if weights == "int4":
+            weight = pair_panels_bf16(weight)
+        elif panels:
+            weight = to_panels(weight)
+        return dict(weight=weight.contiguous(), scales=None, zeros=None, bias=module.bias, perm=None)
+    if weights in GROUP_QUANT_BITS:
         if not isinstance(module, GroupQuantLinear):
-            raise TypeError(f"{type(module).__name__} among 4-bit projections")
-        return module.packed, module.scales, module.zeros, module.bias
+            raise TypeError(f"{type(module).__name__} among {GROUP_QUANT_BITS[weights]}-bit projections")
+        return dict(weight=module.packed, scales=module.scales, zeros=module.zeros, bias=module.bias,
+                    perm=module.perm)
     qweight, scales = getattr(module, "qweight", None), getattr(module, "scales", None)
     if qweight is None or scales is None or qweight.dtype != torch.int8:
         raise TypeError(f"no row-major weight for {type(module).__name__}")
-    return qweight.contiguous(), scales.float().contiguous(), None, getattr(module, "bias", None)
+    return dict(weight=qweight.contiguous(), scales=scales.float().contiguous(), zeros=None,
+                bias=getattr(module, "bias", None), perm=None)
 
 
-def _int4_group(modules: list[tuple[str, nn.Module]]) -> int:
-    """The group size (0: one group per row) shared by 4-bit projections that the kernel reads as they are,
-    or TypeError with the reason."""
+def _int4_group(modules: list[tuple[str, nn.Module]], bits: int = 4) -> int:
+    """The group size (0: one group per row) shared by ``bits``-bit (4 or 8) projections that the kernel reads
+    as they are, or TypeError with the reason."""
     groups = set()
     for name, m in modules:
         if not isinstance(m, GroupQuantLinear):
-            raise TypeError(f"{name} is {type(m).__name__}, not a 4-bit GroupQuantLinear (mixed layers)")
-        if m.bits != 4:
-            raise TypeError(f"{name} has {m.bits}-bit weights (the kernel reads 4 bits)")
-        if m.perm is not None or m.group_index is not None:
-            raise TypeError(f"{name} is act-order (perm / group_index): not in the kernel")
-        if m.packed.device.type != "cpu" or m.packed.dtype != torch.uint8 or not m.packed.is_contiguous():
+            raise TypeError(f"{name} is {type(m).__name__}, not a {bits}-bit GroupQuantLinear (mixed layers)")
+        if m.bits != bits:
+            raise TypeError(f"{name} has {m.bits}-bit weights (the others {bits} bits)")
+        if m.group_index is not None:  # act-order cut unevenly (a tensor-parallel rank's share)
+            raise TypeError(f"{name} has uneven act-order groups (group_index): not in the kernel")
+        if m.perm is not None and (m.perm.dtype != torch.int64 or m.perm.shape != (m.in_features,)
+                                   or not m.perm.is_contiguous()):
+            raise TypeError(f"{name}: act-order perm not a contiguous int64 [{m.in_features}]")
+        if m.packed.device.type != "cpu" or m.packed.dtype != torch.uint8 or not m.packed.is_contiguous() \
+                or m.packed.shape[1] * (2 if bits == 4 else 1) != m.stored_features:
             raise TypeError(f"{name}: packed weight not contiguous uint8 on CPU")
         for t in (m.scales, m.zeros):
             if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (m.out_features, m.scales.shape[1]):
@@ -244,7 +255,7 @@ class DecodeStack:
         self.int8, self.kind = weights == "int8", WEIGHT_KINDS[weights]
         self.panels = weights in ("float32", "bfloat16") and panels_supported()
         # 4 bits: int4_linear.c's loops, register tiles up to 12 rows and widened panels above (its MB: 64)
-        self.max_rows = MAX_PANEL_ROWS if self.panels or weights == "int4" else MAX_ROWS
+        self.max_rows = MAX_PANEL_ROWS if self.panels or weights in GROUP_QUANT_BITS else MAX_ROWS
         self.max_chained_rows = MAX_PANEL_ROWS if self.panels else MAX_CHAINED_ROWS
         self.limits = StackLimits(self.max_rows, self.max_chained_rows,
                                   MAX_MIXED_ROWS if self.panels else self.max_chained_rows, MAX_MIXED_CONTEXT)
@@ -259,10 +270,12 @@ class DecodeStack:
                       "k_cache": k_cache, "v_cache": v_cache}
             for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
-                weight, scales, zeros, bias = _projection(module, weights, self.panels)
-                fields[name], fields[f"{name}_scales"], fields[f"{name}_zeros"] = weight, scales, zeros
+                view = _projection(module, weights, self.panels)
+                fields[name] = view["weight"]
+                for part in ("scales", "zeros", "perm"):
+                    fields[f"{name}_{part}"] = view[part]
                 if name == "qkv":
-                    fields["qkv_bias"] = bias
+                    fields["qkv_bias"] = view["bias"]
             for name, tensor in fields.items():
                 if tensor is not None:
                     tensor = tensor.detach()
@@ -281,8 +294,8 @@ class DecodeStack:
 
         ``weights``: how the projections are held, ``"float32"``, ``"bfloat16"`` (float32 modules holding
         bf16-rounded values, read as bf16 panels), ``"int8"`` (``group`` values per scale, None:
-        one per row) or ``"int4"`` (every projection a 4-bit GroupQuantLinear; the group size is read from
-        the layers, ``group`` is not used); a bool means int8 or float32."""
+        one per row), ``"int4"`` or ``"uint8"`` (every projection a 4-bit, or 8-bit, GroupQuantLinear; the group
+        size is read from the layers, ``group`` is not used); a bool means int8 or float32."""
         if isinstance(weights, bool):
             weights = "int8" if weights else "float32"
         shape = model.shape
@@ -308,12 +321,13 @@ class DecodeStack:
             reason = f"a {kv_caches[0][0].dtype} KV cache (the kernel reads float32 or bfloat16 caches)"
         if reason is None:
             try:
-                if weights == "int4":
+                if weights in GROUP_QUANT_BITS:
                     group = _int4_group([(name, getattr(module, proj)) for layer in model.model.layers
                                          for name, module, proj in (("qkv", layer.self_attn, "qkv_proj"),
                                                                     ("o", layer.self_attn, "o_proj"),
                                                                     ("gate_up", layer.mlp, "gate_up_proj"),
-                                                                    ("down", layer.mlp, "down_proj"))])
+                                                                    ("down", layer.mlp, "down_proj"))],
+                                        GROUP_QUANT_BITS[weights])
                 return cls(model, kv_caches, weights, group or 0)
             except TypeError as e:
                 reason = str(e)

@@ -131,14 +131,17 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches()
         # before packing: the decode stack reads the dense float weights (kernels/cpu_decode_stack.py)
         stored = self.weight_format.checkpoint
-        int4 = stored is not None and getattr(stored, "kind", None) == "int" and getattr(stored, "bits", None) == 4
-        kind = ("int8" if self.weight_format.int8 else "int4" if int4
+        # a quantized checkpoint's integer layers: 4-bit, or 8-bit with zero points (GroupQuantLinear; symmetric
+        # 8-bit ones are Int8Linear, weight_format.int8)
+        grouped = {4: "int4", 8: "uint8"}.get(getattr(stored, "bits", None)) \
+            if stored is not None and getattr(stored, "kind", None) == "int" else None
+        kind = ("int8" if self.weight_format.int8 else grouped if grouped
                 else "bfloat16" if self.bf16_weights else "float32")
         self.decode_stack = (DecodeStack.build(self.model, self.kv_caches, kind, self.weight_format.group_size)
                              if self.platform.decode_stack and self.model_class.fast_paths.decode_stack
-                             # a quantized checkpoint's FP8 and 8-bit zero-point layers are not in the kernel; its
-                             # 4-bit ones are when every projection is (DecodeStack.build checks)
-                             and (stored is None or self.weight_format.int8 or int4) else None)
+                             # a quantized checkpoint's FP8 layers are not in the kernel; its integer ones are when
+                             # every projection is one kind the kernel reads (DecodeStack.build checks)
+                             and (stored is None or self.weight_format.int8 or grouped) else None)
         if not self.weight_format.int8 and self.platform.packed_linears:
             self._pack_cpu_linears()
         if not self.architecture.native:

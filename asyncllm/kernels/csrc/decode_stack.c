@@ -14,7 +14,9 @@
  * nibbles [N][Ks / 2], float32 scales and zeros [N][Ks / G]) are read packed by int4_linear.c's loops
  * (int4_tiles.h: dequantized in registers up to 12 rows, through a per-thread widened panel above; batches
  * up to 64 rows); Ks is the input width rounded up to whole groups (a padded partial last group: the
- * input is padded with zeros, as GroupQuantLinear pads it).
+ * input is padded with zeros, as GroupQuantLinear pads it). Unsigned 8-bit codes with zero points (GPTQ's
+ * asymmetric 8 bits: bytes [N][Ks]) take the same loops on bytes. Act-order layers (columns stored sorted by
+ * group, GPTQ desc_act) gather each input row by the layer's perm first.
  * Attention is paged_attention.h's loop, shared with paged_decode.c.
  *
  * Numerics follow transformers' Llama: RMSNorm in float32 as x * rsqrt(mean(x^2) + eps) * w,
@@ -42,6 +44,8 @@ typedef struct {
     const float *qkv_bias;                    /* [Q + 2 KV] or NULL */
     void *k_cache, *v_cache;                  /* [blocks][block_size][kv_heads][D]: float, or bf16 (kv_bf16) */
     const float *qkv_zeros, *o_zeros, *gate_up_zeros, *down_zeros; /* [N][Ks / G] (4 bits only) */
+    /* act-order (4 bits only): stored column k reads input column perm[k] ([K] or NULL) */
+    const int64_t *qkv_perm, *o_perm, *gate_up_perm, *down_perm;
 } layer_t;
 
 #ifdef __AVX2__
@@ -822,13 +826,15 @@ static void project(const float *x, int64_t M, int64_t K, const void *W, const f
     }
 }
 
-/* A 4-bit projection inside the parallel region: y[m] = x[m] . W[n] (+ bias) with W = (q - zeros) * scales
- * in groups of G input columns, K the input width (x: rows of K floats), Ks = K rounded up to whole groups
- * the stored one. Every thread first copies x for itself into xd (M * Ks floats): in the order the vector
- * loops read (deinterleave_x), zeros past K; then the threads split the panels of NR output columns
+/* A 4-bit (B8: 8-bit) projection inside the parallel region: y[m] = x[m][perm] . W[n] (+ bias) with
+ * W = (q - zeros) * scales in groups of G input columns, K the input width (x: rows of K floats), Ks = K
+ * rounded up to whole groups the stored one, perm the act-order gather (NULL: none). Every thread first
+ * copies x for itself into xd (M * Ks floats): gathered by perm, in the order the vector loops read
+ * (deinterleave_x, nibbles only), zeros past K; then the threads split the panels of NR output columns
  * (implicit barrier at the end). ps: per-thread panel scratch for blocks of more than DOT_ROWS rows. */
-static void project_q4(const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *packed, const float *S,
-                       const float *Z, const float *bias, float *y, int64_t N, float *xd, float *ps) {
+static void project_q4(int B8, const float *x, int64_t M, int64_t K, int64_t G, const uint8_t *packed,
+                       const float *S, const float *Z, const int64_t *perm, const float *bias, float *y, int64_t N,
+                       float *xd, float *ps) {
     const int64_t Ks = (K + G - 1) / G * G;
 #ifdef Q4_AVX2
     const int vec = Ks % 32 == 0 && G % 32 == 0;
@@ -838,8 +844,12 @@ static void project_q4(const float *x, int64_t M, int64_t K, int64_t G, const ui
     for (int64_t m = 0; m < M; m++) {
         const float *src = x + m * K;
         float *dst = xd + m * Ks;
+        if (perm) { /* act-order: the row gathered into the panel scratch first (unused until the panels) */
+            for (int64_t k = 0; k < K; k++) ps[k] = src[perm[k]];
+            src = ps;
+        }
 #ifdef Q4_AVX2
-        if (vec) {
+        if (vec && !B8) { /* bytes keep column order: only nibbles are read in deinterleave_x's order */
             const int64_t whole = K / 32 * 32;
             if (whole) deinterleave_x(src, K, 1, whole, dst);
             for (int64_t k = whole; k < Ks; k += 32) { /* a partial block of 32, or padding */
@@ -854,7 +864,7 @@ static void project_q4(const float *x, int64_t M, int64_t K, int64_t G, const ui
         memset(dst + K, 0, (size_t)(Ks - K) * sizeof(float));
     }
 #ifdef __AVX512F__
-    if (vec && M > DOT_ROWS) {
+    if (vec && !B8 && M > DOT_ROWS) {
         /* many rows: two of the kernel's widened 16-column panels side by side make one of PANEL (32) columns,
            which the float32 panels' register tiles (2R accumulators per R rows) run over; the same products
            summed in the same order as the kernel's 16-column tiles */
@@ -882,7 +892,7 @@ static void project_q4(const float *x, int64_t M, int64_t K, int64_t G, const ui
 #endif
     const int64_t panels = (N + NR - 1) / NR;
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++) q4_panel(0, vec, xd, Ks, M, packed, S, Z, bias, N, p * NR, Ks, G, y, N, ps);
+    for (int64_t p = 0; p < panels; p++) q4_panel(B8, vec, xd, Ks, M, packed, S, Z, bias, N, p * NR, Ks, G, y, N, ps);
 }
 
 static void rms_norm_row(const float *x, const float *w, float eps, int64_t H, float *out) {
@@ -935,7 +945,9 @@ static void add_rows(float *x, const float *d, int64_t count) {
 }
 
 /* kind: 0 float32 weights (panels on AVX-512 builds, else row-major), 1 int8 with scales, 2 4-bit with scales
- * and zeros (project_q4; at most MB rows), 3 bfloat16 panels (AVX-512 builds; project_panels_bf16). group: values per scale, 0 = one group per row.
+ * and zeros (project_q4; at most MB rows), 3 bfloat16 panels (AVX-512 builds; project_panels_bf16), 4 unsigned
+ * 8-bit codes with scales and zeros (project_q4 on bytes; at most MB rows). group: values per scale, 0 = one
+ * group per row. Kinds 2 and 4 take act-order layers: a layer's NAME_perm gathers its input first.
  * kv_bf16: the KV caches hold bfloat16 values (written rounded to nearest even, widened as read), else float32.
  * Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad position or length, 3 for
  * too many rows (4 bits) or an unknown kind.
@@ -961,9 +973,9 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
 #ifndef __AVX512F__
     if (kind == 3) return 3; /* bfloat16 panels need AVX-512 */
 #endif
-    if (kind < 0 || kind > 3 || (kind == 2 && M > MB)) return 3;
+    if (kind < 0 || kind > 4 || ((kind == 2 || kind == 4) && M > MB)) return 3;
     if (num_threads < 1) num_threads = 1;
-    const int int8 = kind == 1, q4 = kind == 2, bf16 = kind == 3;
+    const int int8 = kind == 1, q4 = kind == 2 || kind == 4, b8 = kind == 4, bf16 = kind == 3;
     /* group: 0 = one scale per output channel (the group is the whole input row) */
     const int64_t g_h = group ? group : H, g_q = group ? group : Q, g_i = group ? group : I;
 #define ROUND16(n) (((size_t)(n) + 15) / 16 * 16) /* floats: keeps every buffer 64-byte aligned */
@@ -1012,7 +1024,8 @@ int decode_stack_f32(const layer_t *layers, int64_t num_layers, int kind, int64_
 #endif
 #define PROJECT(X, K, NAME, G, BIAS, Y, N)                                                                         \
     PROJECT_BF16(X, K, NAME, BIAS, Y, N)                                                                           \
-    if (q4) project_q4(X, M, K, G, (const uint8_t *)L->NAME, L->NAME##_scales, L->NAME##_zeros, BIAS, Y, N, xd, ps); \
+    if (q4) project_q4(b8, X, M, K, G, (const uint8_t *)L->NAME, L->NAME##_scales, L->NAME##_zeros, L->NAME##_perm, BIAS, \
+                      Y, N, xd, ps);                                                                               \
     else project(X, M, K, L->NAME, L->NAME##_scales, G, int8, BIAS, Y, N);
         for (int64_t l = 0; l < num_layers; l++) {
             const layer_t *L = &layers[l];

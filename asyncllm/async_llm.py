@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator
 from .config import EngineConfig
 from .errors import ConfigError
 from .frontend.pooling import embedding_kwargs, model_pooling
+from .gc_freeze import freeze_startup_heap, release_startup_heap
 from .engine.core import EngineCore, SequenceOutput
 from .engine.engine_thread import EngineThread
 from .errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError, RequestTimeoutError
@@ -100,12 +101,17 @@ class AsyncLLM:
     """
 
     def __init__(self, model: str, *, tool_parser: str | None = None, auto_restart: bool = True,
-                 max_restarts: int = 3, restart_window_s: float = 300.0, **engine_kwargs: Any) -> None:
+                 max_restarts: int = 3, restart_window_s: float = 300.0, freeze_gc: bool = True,
+                 **engine_kwargs: Any) -> None:
         """``tool_parser``: the tool-call format ("hermes", "llama3_json", "mistral"); by default the
         model family's (see docs/tools.md). After an engine fault the engine is reset and goes on
         (``auto_restart``), at most ``max_restarts`` times within ``restart_window_s`` seconds; past
-        that it stays dead until ``restart()`` (docs/async.md). Other keywords configure the engine
-        (docs/api.md)."""
+        that it stays dead until ``restart()`` (docs/async.md). ``freeze_gc``: once started, keep the
+        objects alive then out of the garbage collector's full collections until close (gc_freeze.py:
+        a full collection over the start-up heap held the GIL, and so the host's loop, for ~180 ms).
+        Other keywords configure the engine (docs/api.md)."""
+        if not isinstance(freeze_gc, bool):
+            raise ConfigError(f"freeze_gc must be a bool, got {freeze_gc!r}")
         if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
             raise ConfigError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
         if not isinstance(restart_window_s, (int, float)) or not restart_window_s > 0:
@@ -126,6 +132,9 @@ class AsyncLLM:
         self._closed = False
         self._input_pool = ThreadPoolExecutor(INPUT_WORKERS, thread_name_prefix="asyncllm-input")
         self._thread = EngineThread(self.engine, self._dispatch, self._on_fault)
+        self._holds_gc_freeze = freeze_gc
+        if freeze_gc:  # last: everything start-up made is in place
+            freeze_startup_heap()
 
     @property
     def max_model_len(self) -> int:
@@ -268,6 +277,10 @@ class AsyncLLM:
             self.engine.shutdown()
         self._input_pool.shutdown(wait=False)
         self.inputs.grammars.close()  # the grammar engine's guard processes
+        with self._lock:
+            release, self._holds_gc_freeze = self._holds_gc_freeze, False
+        if release:
+            release_startup_heap()
 
     async def __aenter__(self) -> "AsyncLLM":
         return self

@@ -2,7 +2,7 @@
 
     python -m benchmarks.w_host [--streams 32] [--prompt-len 128] [--gen-len 128] [--rate 50] [--work-ms 1.0]
                                 [--seconds 10] [--repeats 2] [--loop auto] [--torch-threads N]
-                                [--switch-interval-ms MS] [--tiny] [--json out.json]
+                                [--switch-interval-ms MS] [--no-freeze-gc] [--tiny] [--json out.json]
 
 One Starlette app in one uvicorn server on 127.0.0.1 (uvicorn's defaults: ``--loop auto`` is uvloop when it is
 installed, ``http`` auto is httptools), in this process: the host's route ``POST /host/work`` parses a small JSON
@@ -20,7 +20,9 @@ loop; they run at ``--driver-nice`` (-10 where allowed), as clients on machines 
 they need it. The host driver sends ``POST /host/work`` at a fixed ``--rate``, open loop (request ``i`` starts at
 ``t0 + i / rate`` whatever the earlier ones do) over at most ``--connections`` connections; host latency runs from
 the scheduled start to the end of the answer (within it, ``driver_late_ms``: how late the driver started the
-request, and ``connection_wait_ms``: how long it then waited for a free connection). The engine driver runs
+request, and ``connection_wait_ms``: how long it then waited for a free connection; then ``inbound_ms``, from the
+driver's send to the request's arrival in the app, ``in_app_ms``, and ``outbound_ms``, from the answer leaving the
+route to the driver having read it, from the times the route puts in its answer). The engine driver runs
 ``--streams`` closed-loop clients, each streaming ``/v1/completions`` (``--prompt-len`` random token ids,
 ``--gen-len`` tokens, greedy, ``ignore_eos``, ``stream_options.include_usage``) back to back until ``--seconds``
 have passed; output tokens/s = the usage's completion tokens / (last answer's end - first request's start); TTFT
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -57,7 +60,7 @@ TINY_ARGS = ["--streams", "4", "--prompt-len", "16", "--gen-len", "16", "--secon
 SIZES = {"full": [], "quick": ["--seconds", "5", "--repeats", "1"], "tiny": ["--tiny"]}
 PHASES = ("host", "engine", "both")
 SETTINGS = ("streams", "prompt_len", "gen_len", "rate", "connections", "work_ms", "seconds", "repeats", "loop", "http",
-            "driver_nice", "torch_threads", "switch_interval_ms", "tiny")
+            "driver_nice", "torch_threads", "switch_interval_ms", "no_freeze_gc", "tiny")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -187,14 +190,16 @@ async def host_driver(url: str, rate: float, seconds: float | None, connections:
         started = time.monotonic()
         conn, status = await pool.get(), -1
         sent = time.monotonic()
+        arrived = answered = None
         try:
             status, headers = await conn.post("/host/work", {"item": i})
-            json.loads(await conn.body(headers))
+            answer = json.loads(await conn.body(headers))
+            arrived, answered = answer.get("arrived"), answer.get("answered")
             pool.put(conn, headers.get("connection", "").lower() != "close")
         except (OSError, asyncio.IncompleteReadError, ValueError):
             status = -1
             pool.put(conn, False)
-        records.append([target, started, sent, time.monotonic(), status])
+        records.append([target, started, sent, time.monotonic(), status, arrived, answered])
 
     for i in range(10):  # the route's first calls
         await one(-1 - i, time.monotonic())
@@ -325,10 +330,23 @@ class ServerLog:
         self.works: list[tuple[float, float]] = []
         self.work_cpus: list[tuple[float, float]] = []
         self.served: list[tuple[float, float]] = []
+        # the cyclic garbage collector's pauses, any thread's (each holds the GIL: every thread waits), by generation
+        self.gc_pauses: list[tuple[float, float]] = []
+        self.gc_full_pauses: list[tuple[float, float]] = []
+        self._gc_started = 0.0
 
     def window(self, lo: float, hi: float) -> dict[str, list[float]]:
         return {name: [v for t, v in getattr(self, name) if lo <= t <= hi]
-                for name in ("ticks", "works", "work_cpus", "served")}
+                for name in ("ticks", "works", "work_cpus", "served", "gc_pauses", "gc_full_pauses")}
+
+    def on_gc(self, phase: str, info: dict[str, int]) -> None:
+        """A ``gc.callbacks`` hook: times each collection."""
+        now = time.monotonic()
+        if phase == "start":
+            self._gc_started = now
+        elif self._gc_started:
+            (self.gc_full_pauses if info.get("generation") == 2 else self.gc_pauses).append(
+                (self._gc_started, now - self._gc_started))
 
 
 def thread_cpu() -> dict[str, float]:
@@ -379,7 +397,10 @@ def build_app(llm: Any, iterations: int, log: ServerLog) -> Any:
         now = time.monotonic()
         log.works.append((now, took))
         log.work_cpus.append((now, cpu))
-        return JSONResponse({"item": body.get("item"), "value": value, "work_ms": round(took * 1000, 3)})
+        # when the request reached the app and when its answer left the route (monotonic, the drivers' clock too):
+        # the driver splits its latency into the way in, the app and the way back
+        return JSONResponse({"item": body.get("item"), "value": value, "work_ms": round(took * 1000, 3),
+                             "arrived": request.scope.get("state", {}).get("arrived"), "answered": time.monotonic()})
 
     app = Starlette(routes=[Route("/host/work", host_work, methods=["POST"]),
                             Mount("", app=create_app(llm, model_name="model"))])
@@ -388,6 +409,7 @@ def build_app(llm: Any, iterations: int, log: ServerLog) -> Any:
         if scope["type"] != "http" or scope["path"] != "/host/work":
             return await app(scope, receive, send)
         t0 = time.monotonic()
+        scope.setdefault("state", {})["arrived"] = t0
 
         async def sending(message):
             await send(message)
@@ -445,8 +467,13 @@ class Driver:
 def _host_run(records: list[list[float]], lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
     kept = [r for r in records if (lo is None or r[0] >= lo) and (hi is None or r[0] <= hi)]
     ok = [r for r in kept if r[4] == 200]
+    timed = [r for r in ok if len(r) > 6 and r[5] is not None and r[6] is not None]
     return {"latencies": [r[3] - r[0] for r in ok], "lates": [r[1] - r[0] for r in kept],
             "connection_waits": [r[2] - r[1] for r in kept],
+            # sent -> in the app (the driver's write, loopback TCP, uvicorn reading and parsing it), in the app, and
+            # answer built -> read by the driver (uvicorn's write, TCP, the driver reading it)
+            "inbound": [r[5] - r[2] for r in timed], "in_app": [r[6] - r[5] for r in timed],
+            "outbound": [r[3] - r[6] for r in timed],
             "errors": len(kept) - len(ok), "window": [min(r[0] for r in kept), max(r[0] for r in kept)]
             if kept else None}
 
@@ -571,11 +598,16 @@ def pool_host(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "latency_p99_ms_each_run": [summarize_ms(r["latencies"])["p99"] for r in runs],
             "driver_late_ms": _summary([x for r in runs for x in r["lates"]]),
             "connection_wait_ms": _summary([x for r in runs for x in r["connection_waits"]]),
+            "inbound_ms": _summary([x for r in runs for x in r.get("inbound", [])]),
+            "in_app_ms": _summary([x for r in runs for x in r.get("in_app", [])]),
+            "outbound_ms": _summary([x for r in runs for x in r.get("outbound", [])]),
             "server_ms": _summary([x for r in runs for x in r["served"]]),
             "work_ms": _summary([x for r in runs for x in r["works"]]),
             "work_cpu_ms": _summary([x for r in runs for x in r["work_cpus"]]),
             "loop_lag_ms": _summary([x for r in runs for x in r["ticks"]]),
-            "loop_stalls_over_100ms": sum(x > 0.1 for r in runs for x in r["ticks"])}
+            "loop_stalls_over_100ms": sum(x > 0.1 for r in runs for x in r["ticks"]),
+            "gc_pause_ms": _summary([x for r in runs for x in r.get("gc_pauses", [])]),
+            "gc_full_pause_ms": _summary([x for r in runs for x in r.get("gc_full_pauses", [])])}
 
 
 def _cpu_total(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -633,9 +665,10 @@ async def serve_and_measure(args: argparse.Namespace, model_dir: str) -> dict[st
         torch.set_num_threads(args.torch_threads)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
-    llm = AsyncLLM(model_dir, dtype="float32", device="cpu")
+    llm = AsyncLLM(model_dir, dtype="float32", device="cpu", freeze_gc=not args.no_freeze_gc)
     calibration = calibrate(args.work_ms / 1000)
     log = ServerLog()
+    gc.callbacks.append(log.on_gc)
     app = build_app(llm, calibration["iterations"], log)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -691,15 +724,20 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\nW-HOST: POST /host/work ({s['work_ms']} ms of Python) at {s['rate']}/s beside {s['streams']} streams "
           f"({s['prompt_len']}+{s['gen_len']} tokens), one process and loop ({report['server']['loop']})")
     hdr = (f"{'host route':>12} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'late+wait p99':>13} {'server p99':>10} "
-           f"{'work p99':>8} {'work cpu p99':>12} {'loop lag p99':>12} {'n':>6}")
+           f"{'in p99':>7} {'out p99':>7} {'work p99':>8} {'work cpu p99':>12} {'loop lag p99':>12} {'n':>6}")
     print(hdr)
     print("-" * len(hdr))
     for name, r in host.items():
         lat = r["latency_ms"]
         print(f"{name:>12} {fmt_ms(lat['p50']):>7} {fmt_ms(lat['p99']):>7} {fmt_ms(lat['max']):>7} "
               f"{fmt_ms(late_wait(r)):>13} {fmt_ms(r['server_ms']['p99']):>10} "
+              f"{fmt_ms(r['inbound_ms']['p99']):>7} {fmt_ms(r['outbound_ms']['p99']):>7} "
               f"{fmt_ms(r['work_ms']['p99']):>8} {fmt_ms(r['work_cpu_ms']['p99']):>12} "
               f"{fmt_ms(r['loop_lag_ms']['p99']):>12} {r['requests']:>6}")
+    for name, r in host.items():
+        print(f"{name:>12} GC pauses: {r['gc_pause_ms']['count']} young (max {fmt_ms(r['gc_pause_ms']['max'])} ms), "
+              f"{r['gc_full_pause_ms']['count']} full (max {fmt_ms(r['gc_full_pause_ms']['max'])} ms); inbound max "
+              f"{fmt_ms(r['inbound_ms']['max'])} ms, loop lag max {fmt_ms(r['loop_lag_ms']['max'])} ms")
     hdr = f"{'engine':>12} {'tok/s':>8} {'ITL p50':>8} {'ITL p99':>8} {'TTFT p99':>9} {'loop lag p99':>13} {'req':>6}"
     print(hdr)
     print("-" * len(hdr))
@@ -732,6 +770,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="torch threads in the server process (0: torch's default)")
     parser.add_argument("--switch-interval-ms", type=float, default=0,
                         help="the server process's sys.setswitchinterval, ms (0: Python's default, 5)")
+    parser.add_argument("--no-freeze-gc", action="store_true",
+                        help="AsyncLLM(freeze_gc=False): full collections walk the start-up heap (the A/B of gc_freeze.py)")
     parser.add_argument("--driver-nice", type=int, default=-10,
                         help="niceness increment of the load drivers where allowed (-10: they run when they need "
                              "to, as clients on their own machines would; 0: as the server)")

@@ -484,6 +484,10 @@ def test_w_host_tiny_run(tmp_path, capsys):
         assert 0 < figures["latency_ms"]["p50"] <= figures["latency_ms"]["p99"] <= figures["latency_ms"]["max"]
         assert figures["work_ms"]["count"] > 0 and figures["server_ms"]["count"] > 0
         assert figures["loop_lag_ms"]["count"] > 0 and figures["driver_late_ms"]["count"] > 0
+        # every answered request split into the way in, the app and the way back (the route's own timestamps)
+        parts = [figures[k] for k in ("inbound_ms", "in_app_ms", "outbound_ms")]
+        assert all(p["count"] == figures["requests"] and p["p50"] >= 0 for p in parts)
+        assert sum(p["mean"] for p in parts) <= figures["latency_ms"]["mean"] + 0.01
     for figures in engine.values():
         assert figures["requests"] >= 4 and figures["errors"] == 0  # 4 streams, one request each at least
         assert figures["generated_tokens"] == 16 * figures["requests"]  # --gen-len 16, ignore_eos

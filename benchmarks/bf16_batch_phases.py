@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         llm.close()
     rows: list[dict[str, Any]] = []
     for way in ways:
-        row = {"way": way, "prefill_s": [round(min(prefill[way]), 3), round(max(prefill[way]), 3)],
+        row = {"way": way, "prefill_s": [round(min(prefill[way]), 6), round(max(prefill[way]), 6)],
                "decode_step_ms": [round(min(step[way]), 2), round(max(step[way]), 2)]}
         rows.append(row)
         print(f"{way}: prefill {row['prefill_s'][0]:.3f}-{row['prefill_s'][1]:.3f} s, decode step "

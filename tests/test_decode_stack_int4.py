@@ -30,6 +30,25 @@ def _stack(llm: LLM):
     return stack
 
 
+def _compare_on_two_threads(llm: LLM, prompts) -> int:
+    """:func:`_compare` with the kernel's work split over two threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return _compare(llm, prompts)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_same_outputs(fused, plain) -> None:
+    """Two engines' outputs: the same tokens, log-probabilities to 1e-4."""
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())) for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())) for d in b.outputs[0].logprobs]
+        assert la == pytest.approx(lb, abs=1e-4)
+
+
 @pytest.fixture(scope="module")
 def gptq4(source, tmp_path_factory):
     path = qc.write_gptq(source, tmp_path_factory.mktemp("gptq4") / "q", bits=4, group_size=32, sym=False)
@@ -50,13 +69,8 @@ def test_gptq4_rows_past_the_register_tiles_on_two_threads(gptq4):
     """14 and 20 rows (more than the 12 that stream the nibbles: widened panels), split over two threads."""
     _, llm = gptq4
     _stack(llm)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert _compare(llm, _prompts(14, seed=2)) >= 19
-        assert _compare(llm, _prompts(20, seed=3)) >= 19
-    finally:
-        torch.set_num_threads(threads)
+    assert _compare_on_two_threads(llm, _prompts(14, seed=2)) >= 19
+    assert _compare_on_two_threads(llm, _prompts(20, seed=3)) >= 19
 
 
 def test_gptq4_equals_the_engine_with_the_stack_switched_off(gptq4, monkeypatch):
@@ -67,11 +81,7 @@ def test_gptq4_equals_the_engine_with_the_stack_switched_off(gptq4, monkeypatch)
     with LLM(str(path), dtype="float32", block_size=4) as plain_llm:
         assert plain_llm.engine.runner.decode_stack is None
         plain = plain_llm.generate(prompts, GREEDY)
-    for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        la = [next(iter(d.values())) for d in a.outputs[0].logprobs]
-        lb = [next(iter(d.values())) for d in b.outputs[0].logprobs]
-        assert la == pytest.approx(lb, abs=1e-4)
+    _assert_same_outputs(fused, plain)
 
 
 def test_awq_g32(source, tmp_path):
@@ -112,12 +122,7 @@ def test_gptq4_act_order(source, tmp_path, sym):
         perm = layer.mlp.down_proj.perm
         assert stack.group == 32 and perm is not None and not torch.equal(perm, torch.arange(perm.numel()))
         assert _compare(llm, _prompts(1)) >= 19
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
-            assert _compare(llm, _prompts(14, seed=10)) >= 19
-        finally:
-            torch.set_num_threads(threads)
+        assert _compare_on_two_threads(llm, _prompts(14, seed=10)) >= 19
 
 
 def test_act_order_stack_equals_the_stack_switched_off(source, tmp_path, monkeypatch):
@@ -131,11 +136,7 @@ def test_act_order_stack_equals_the_stack_switched_off(source, tmp_path, monkeyp
     with LLM(str(path), dtype="float32", block_size=4) as llm:
         assert llm.engine.runner.decode_stack is None
         plain = llm.generate(prompts, GREEDY)
-    for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        la = [next(iter(d.values())) for d in a.outputs[0].logprobs]
-        lb = [next(iter(d.values())) for d in b.outputs[0].logprobs]
-        assert la == pytest.approx(lb, abs=1e-4)
+    _assert_same_outputs(fused, plain)
 
 
 @pytest.mark.parametrize("options", [dict(group_size=-1), dict(group_size=32, desc_act=True)],
@@ -152,12 +153,7 @@ def test_gptq8_zero_points(source, tmp_path, options):
         assert stack.group == (0 if options["group_size"] == -1 else 32)
         assert _compare(llm, _prompts(1)) >= 19
         assert _compare(llm, _prompts(3, seed=12)) >= 19
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
-            assert _compare(llm, _prompts(14, seed=13)) >= 19
-        finally:
-            torch.set_num_threads(threads)
+        assert _compare_on_two_threads(llm, _prompts(14, seed=13)) >= 19
 
 
 def test_stack_off_for_layouts_it_does_not_read(source, tmp_path):

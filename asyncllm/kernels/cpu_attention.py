@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu_prefill_attention
 from .cpu_build import load_library
 from .metadata import AttentionMetadata
 from .torch_attention import TorchAttentionBackend, PrefillPlan, plan_prefills, windowed_attention
@@ -29,6 +30,8 @@ class _Decodes:
     rows: torch.Tensor  # [n] int64: query/output row of each decode in the flattened batch
     seqs: torch.Tensor  # [n] int64: its sequence index in the batch (row of block_tables / seq_lens)
     prefills: PrefillPlan  # the step's prefill chunks, for SDPA
+    # the chunks without a cached prefix, for the C prefill kernel where it runs: (starts, lengths, the rest's plan)
+    own_rows: tuple[torch.Tensor, torch.Tensor, PrefillPlan] | None = None
     # chunked layers (Llama 4): (chunk, window) -> decodes grouped by the window their chunk leaves them
     chunked: dict = field(default_factory=dict)
 
@@ -121,6 +124,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta.backend_state = _Decodes(
             rows=torch.tensor([meta.query_start[i] for i in idx], dtype=torch.int64, device=device),
             seqs=torch.tensor(idx, dtype=torch.int64, device=device), prefills=plan_prefills(meta))
+        if meta.prefill_indices and device.type == "cpu" and cpu_prefill_attention.available():
+            meta.backend_state.own_rows = _own_rows(meta.backend_state.prefills, meta)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
@@ -148,6 +153,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
                               self.prefill_dtype(query, k_cache))
         return output
 
+    def run_prefills(self, plan: PrefillPlan, query, k_cache, v_cache, meta, scale, output,
+                     compute_dtype: torch.dtype | None = None) -> None:
+        """The step's prefill chunks: those without a cached prefix through the C kernel where it applies (float32
+        activations over a bf16 cache, the layer's own new keys at hand; kernels/cpu_prefill_attention.py), the
+        rest through SDPA."""
+        own, new = getattr(meta.backend_state, "own_rows", None), self._new_keys
+        if (own is not None and own[0].numel() and compute_dtype is None and query.dtype == torch.float32
+                and output.dtype == torch.float32 and k_cache.dtype == torch.bfloat16 and new is not None
+                and new.of(k_cache, v_cache, query)
+                and cpu_prefill_attention.shape_supported(query.shape[1], k_cache.shape[2], query.shape[2])):
+            starts, lengths, plan = own
+            cpu_prefill_attention.prefill_attention(query, new.key, new.value, output, starts, lengths, scale)
+        super().run_prefills(plan, query, k_cache, v_cache, meta, scale, output, compute_dtype)
+
     @staticmethod
     def prefill_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype | None:
         """SDPA's dtype for prefill chunks: bfloat16 for a float32 query over a bfloat16 cache where
@@ -155,6 +174,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if query.dtype == torch.float32 and k_cache.dtype == torch.bfloat16 and amx_attention():
             return torch.bfloat16
         return None
+
+
+def _own_rows(plan: PrefillPlan, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, PrefillPlan]:
+    """The plan's chunks that attend only to themselves (no cached prefix), as rows ``starts[s] ..
+    starts[s] + lengths[s] - 1`` of the step, and the plan of the others (prepared once per step)."""
+    starts, lengths, groups, singles = [], [], [], []
+    for group in plan.groups:
+        if group.mask is None and group.seq_len == group.q_len:
+            starts.extend(group.rows[::group.q_len].tolist())  # each sequence's first row
+            lengths.extend([group.q_len] * group.num_seqs)
+        else:
+            groups.append(group)
+    for i in plan.singles:
+        if meta.seq_lens[i] == meta.query_len(i):
+            starts.append(meta.query_start[i])
+            lengths.append(meta.query_len(i))
+        else:
+            singles.append(i)
+    device = meta.block_tables.device
+    return (torch.tensor(starts, dtype=torch.int64, device=device),
+            torch.tensor(lengths, dtype=torch.int64, device=device), PrefillPlan(groups, singles))
 
 
 def _chunked_decodes(decodes: _Decodes, meta: AttentionMetadata, chunk: int,

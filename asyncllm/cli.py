@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the KV cache's element type (auto: the activations'; bfloat16 on CPU: half the bytes)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse KV blocks of identical prompt prefixes (default on)")
+    engine.add_argument("--arrival-window-ms", type=float, default=None, metavar="MS",
+                        help="woken from idle, wait while requests keep arriving this close together (default 3; "
+                             "0: start at once), so a burst shares its first prefill step")
     engine.add_argument("--max-loras", type=int, default=None, help="LoRA adapters in one batch")
     engine.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank")
     engine.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in memory")

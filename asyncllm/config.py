@@ -32,6 +32,7 @@ class EngineConfig:
     max_waiting_requests: int = 4096   # requests queued beyond those running; more are refused (HTTP 429)
     max_num_batched_tokens: int | None = None
     max_itl_ms: float | str | None = "auto"  # inter-token latency target for prefill chunking (engine/step_budget.py)
+    arrival_window_ms: float = 3.0     # AsyncLLM: an idle engine's wait for a burst's next request (engine_thread.py)
     block_size: int = 16
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
@@ -87,6 +88,9 @@ class EngineConfig:
         if not (itl is None or itl == "auto" or (isinstance(itl, (int, float)) and not isinstance(itl, bool)
                                                    and 0 < itl < float("inf"))):
             raise ConfigError(f"max_itl_ms must be a positive number of milliseconds, 'auto' or None, got {itl!r}")
+        window = self.arrival_window_ms
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window <= 1000:
+            raise ConfigError(f"arrival_window_ms must be a number of milliseconds from 0 to 1000, got {window!r}")
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
             raise ConfigError(f"revision must be a branch, tag or commit name, got {self.revision!r}")
         if self.hf_token is not None and not isinstance(self.hf_token, (str, bool)):

@@ -154,11 +154,17 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's checks at one level: the policy run against throughput mode."""
     base, policy = runs["throughput"], runs["stall-free"]
     return {
-        "throughput_ratio": round(policy["tokens_per_s"] / base["tokens_per_s"], 3),
-        "ttft_p99_ratio": round(policy["ttft_ms"]["p99"] / base["ttft_ms"]["p99"], 2),
+        "throughput_ratio": _ratio(policy["tokens_per_s"], base["tokens_per_s"], 3),
+        "ttft_p99_ratio": _ratio(policy["ttft_ms"]["p99"], base["ttft_ms"]["p99"], 2),
         "itl_p99_over_p50": policy["itl_p99_over_p50"],
-        "itl_p99_ratio": round(policy["itl_ms"]["p99"] / base["itl_ms"]["p99"], 3),
+        "itl_p99_ratio": _ratio(policy["itl_ms"]["p99"], base["itl_ms"]["p99"], 3),
     }
+
+
+def _ratio(a: float | None, b: float | None, digits: int) -> float | None:
+    """a / b, or None where either is missing or b is 0 (a run whose tokens all came in one chunk has no gaps:
+    on a machine loaded from outside, a tiny run can)."""
+    return round(a / b, digits) if a is not None and b else None
 
 
 async def measure(model_dir: str, levels: list[int], per_client: int, scale: float, interval: float,
@@ -202,7 +208,8 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{fmt_ms(r['ttft_ms']['p99']):>9} {fmt_ms(r['itl_ms']['p50']):>8} {fmt_ms(r['itl_ms']['p99']):>8} "
                   f"{fmt_ms(r['itl_ms']['max']):>8} {r['itl_p99_over_p50'] or 0:>7.2f}")
         c = level["comparison"]
-        print(f"      stall-free / throughput: tok/s x{c['throughput_ratio']:.3f}, TTFT p99 x{c['ttft_p99_ratio']:.2f}")
+        print(f"      stall-free / throughput: tok/s x{c['throughput_ratio'] or 0:.3f}, "
+              f"TTFT p99 x{c['ttft_p99_ratio'] or 0:.2f}")
     print("targets (issue 17): ITL p99 <= 4x p50; throughput >= 0.9x throughput mode; TTFT p99 <= 2x", flush=True)
 
 

@@ -176,6 +176,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self._sequences) or not self._inbox.empty()
 
+    def queued_count(self) -> int:
+        """Requests, aborts and stops put in the inbox and not applied yet (approximate, as queue sizes are)."""
+        return self._inbox.qsize()
+
     def step(self) -> list[SequenceOutput]:
         """Apply queued requests/aborts, run one batch, and return every sequence's delta."""
         outputs = self.apply_pending()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from .core import EngineCore, SequenceOutput
@@ -28,6 +29,7 @@ class EngineThread:
         self._on_fault = on_fault
         self._wakeup = threading.Event()
         self._stopping = False
+        self._arrival_window_s = float(getattr(engine.config, "arrival_window_ms", 0.0)) / 1000
         self.stats: dict[str, int] = engine.stats()  # a snapshot, replaced (never mutated) after each step
         self._thread = threading.Thread(target=self._run, name="asyncllm-engine", daemon=True)
         self._thread.start()
@@ -74,8 +76,36 @@ class EngineThread:
             self._wakeup.clear()
             if not self.engine.has_work():
                 self._wakeup.wait()
+                self._let_a_burst_arrive()
                 continue
             self._publish(self.engine.step())
+
+    # a burst may spread over this many windows before the first step starts anyway
+    BURST_WINDOWS = 5
+
+    def _let_a_burst_arrive(self) -> None:
+        """Woken from idle: wait while requests keep arriving, each within ``arrival_window_ms`` of the last (for
+        at most BURST_WINDOWS windows), so that requests sent together share the first prefill step.
+
+        Why: requests sent at once reach the engine one by one (an HTTP server parses them in turn, about a
+        millisecond each), and without the wait the first starts a step alone that all the others then queue
+        behind: 8 x 128-token prompts 2 ms apart took a 128-token step (128 ms) and then an 896-token one, TTFT
+        p99 727 ms, against 681-709 ms for one 1,024-token step (docs/async.md). A lone request pays one window."""
+        window = self._arrival_window_s
+        if window <= 0:
+            return
+        deadline = time.perf_counter() + self.BURST_WINDOWS * window
+        seen = self.engine.queued_count()
+        while not self._stopping:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._wakeup.clear()
+            self._wakeup.wait(min(window, left))
+            now_seen = self.engine.queued_count()
+            if now_seen == seen:  # a whole window without a new arrival
+                return
+            seen = now_seen
 
     def _publish(self, outputs: list[SequenceOutput]) -> None:
         self.stats = self.engine.stats()

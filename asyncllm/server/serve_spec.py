@@ -80,7 +80,7 @@ ENGINE_EXTRAS = ("block_size", "kv_cache_dtype", "enable_prefix_caching", "max_l
                  "attention_backend", "model_impl", "enable_cuda_graphs", "tensor_parallel_size",
                  "enable_expert_parallel", "nnodes", "node_rank", "seed", "limit_mm_per_prompt", "max_image_bytes",
                  "max_image_pixels", "allowed_local_media_path", "allowed_media_domains", "media_fetch_timeout",
-                 "image_cache_memory", "encoder_token_budget", "mm_processor_kwargs")
+                 "image_cache_memory", "encoder_token_budget", "mm_processor_kwargs", "arrival_window_ms")
 
 
 def engine_extras(args) -> dict:

@@ -104,3 +104,16 @@ def lora_adapter(adapter_id: int, rank: int, targets: list[str], shapes: dict, g
             weights[(layer, target)] = (torch.randn(rank, in_features, generator=gen),
                                         torch.randn(out_features, rank, generator=gen) * 0.5)
     return FakeAdapter(adapter_id, weights)
+
+
+def build_variant_or_skip(name: str, extra_flags: list[str], out, signatures=()):
+    """``csrc/<name>.c`` built with the project's flags plus ``extra_flags`` (another ISA level), loaded; the test is
+    skipped where the compiler cannot build it."""
+    import pytest
+
+    from asyncllm.kernels.cpu_build import _FLAGS, BuildError, build_variant
+
+    try:
+        return build_variant(name, [*_FLAGS, *extra_flags], out, signatures)
+    except BuildError as e:
+        pytest.skip(str(e))

@@ -39,38 +39,31 @@ async def _burst(llm: AsyncLLM, count: int, spacing_s: float) -> None:
     await asyncio.gather(*(one(i) for i in range(count)))
 
 
-def test_a_burst_shares_its_first_prefill_step(llama_dir):
+def _first_steps(model_dir, window_ms: float, count: int, spacing_s: float) -> list[int]:
+    """The prompt rows of each prefill step while ``count`` requests arrive ``spacing_s`` apart."""
     async def main() -> list[int]:
-        async with AsyncLLM(str(llama_dir), dtype="float32", device="cpu", arrival_window_ms=200) as llm:
+        async with AsyncLLM(str(model_dir), dtype="float32", device="cpu", arrival_window_ms=window_ms) as llm:
             steps = _record_prefill_steps(llm)
-            await _burst(llm, 4, 0.001)
+            await _burst(llm, count, spacing_s)
             return steps
 
-    assert asyncio.run(main()) == [4]
+    return asyncio.run(main())
+
+
+def test_a_burst_shares_its_first_prefill_step(llama_dir):
+    assert _first_steps(llama_dir, 200, 4, 0.001) == [4]
 
 
 def test_without_a_window_the_first_request_steps_alone(llama_dir):
     """The same burst, 50 ms apart and no window: the engine starts at once, so the first prompt steps alone."""
-    async def main() -> list[int]:
-        async with AsyncLLM(str(llama_dir), dtype="float32", device="cpu", arrival_window_ms=0) as llm:
-            steps = _record_prefill_steps(llm)
-            await _burst(llm, 3, 0.05)
-            return steps
-
-    steps = asyncio.run(main())
+    steps = _first_steps(llama_dir, 0, 3, 0.05)
     assert steps[0] == 1 and sum(steps) == 3
 
 
 def test_the_window_is_bounded(llama_dir):
     """Requests that keep coming, each within the window, do not hold the first step back past 5 windows: with a
     50 ms window and a request every 20 ms for 600 ms, the first step starts with some of them, not all 30."""
-    async def main() -> list[int]:
-        async with AsyncLLM(str(llama_dir), dtype="float32", device="cpu", arrival_window_ms=50) as llm:
-            steps = _record_prefill_steps(llm)
-            await _burst(llm, 30, 0.02)
-            return steps
-
-    steps = asyncio.run(main())
+    steps = _first_steps(llama_dir, 50, 30, 0.02)
     assert 1 <= steps[0] < 30 and sum(steps) == 30
 
 

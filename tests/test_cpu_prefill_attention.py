@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.kernels import cpu_attention, cpu_prefill_attention as pa
-from kernel_cases import DEVICE, paged_batch, reference_attention
+from kernel_cases import DEVICE, build_variant_or_skip, paged_batch, reference_attention
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -151,13 +151,8 @@ def test_backend_leaves_a_float32_cache_to_sdpa(monkeypatch):
 
 
 def test_build_without_avx512_bf16_reports_unsupported(tmp_path):
-    from asyncllm.kernels.cpu_build import _FLAGS, BuildError, build_variant
-
-    try:
-        lib = build_variant("prefill_attention", [*_FLAGS, "-mno-avx512bf16"], tmp_path / "pa_noavx512bf16.so",
-                            pa._SIGNATURES)
-    except BuildError as e:
-        pytest.skip(str(e))
+    lib = build_variant_or_skip("prefill_attention", ["-mno-avx512bf16"], tmp_path / "pa_noavx512bf16.so",
+                                pa._SIGNATURES)
     assert lib.prefill_attention_supported() == 0
     q, k, v = _fused_qkv(4, 4, 2, 64, seed=2)
     out, starts, lengths = torch.empty_like(q), torch.tensor([0]), torch.tensor([4])

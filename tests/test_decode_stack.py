@@ -167,13 +167,10 @@ def test_stack_over_every_batch_size_and_odd_widths(model_dir_factory):
 def test_stack_built_without_avx512_reads_row_major_weights(model_dirs, tmp_path, monkeypatch):
     """A machine without AVX-512 gets the row-major loops and at most MAX_ROWS rows: built here with
     AVX-512 switched off, that build must give the module path's tokens too."""
-    from asyncllm.kernels.cpu_build import _FLAGS, BuildError, build_variant
+    from kernel_cases import build_variant_or_skip
 
-    try:
-        lib = build_variant("decode_stack", [*_FLAGS, "-mno-avx512f"], tmp_path / "decode_stack_avx2.so",
-                            cpu_decode_stack._SIGNATURES)
-    except BuildError as e:
-        pytest.skip(str(e))
+    lib = build_variant_or_skip("decode_stack", ["-mno-avx512f"], tmp_path / "decode_stack_avx2.so",
+                                cpu_decode_stack._SIGNATURES)
     assert lib.decode_stack_panels() == 0
     monkeypatch.setattr(cpu_decode_stack, "_library", lambda: lib)
     llm = LLM(str(model_dirs["llama"]), dtype="float32", max_num_seqs=8)

@@ -208,6 +208,6 @@ def test_every_kernel_source_builds_here(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNCLLM_CACHE_DIR", str(tmp_path))
     names = sorted(p.stem for p in cpu_build.CSRC.glob("*.c"))
     assert names == ["decode_stack", "elementwise", "int4_linear", "int8_linear", "lora", "moe_experts",
-                     "paged_decode", "sampling"]
+                     "paged_decode", "prefill_attention", "sampling"]
     for name in names:
         assert cpu_build.build(name).exists()

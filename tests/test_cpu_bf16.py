@@ -314,3 +314,49 @@ def test_bf16_prefill_attention_equals_the_float32_attention_path(model_dirs, ki
         assert taken > 0 and len(calls) == taken  # the fused path ran only while switched on
     else:
         assert taken == 0
+
+
+@pytest.mark.skipif(not panels_supported(), reason="the bf16-weight path is an AVX-512 build's")
+def test_bf16_prefill_layers_through_the_c_kernel_without_amx(model_dir_factory, monkeypatch):
+    """Without AMX, a prefill-only step whose chunks all attend to themselves keeps q, k, v bf16 and attends through
+    the C kernel's bf16 variant (the numbers of bf16 SDPA): against the float32 query (ASYNCLLM_BF16_ATTENTION=0),
+    the same first tokens and prompt logprobs within bf16 attention's rounding."""
+    from asyncllm.kernels import cpu_attention, cpu_prefill_attention
+    from asyncllm.model.decoder import Attention
+
+    if not cpu_prefill_attention.available():
+        pytest.skip("the C prefill attention kernel needs AVX512-BF16")
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda: False)
+    prompts = random_prompts("bf16-kernel-attn", [5, 17, 17, 40, 64])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    calls = []
+    fused = Attention._forward_bf16_prefill
+    monkeypatch.setattr(Attention, "_forward_bf16_prefill", lambda self, *a: (calls.append(1), fused(self, *a))[1])
+    results = {}
+    real = cpu_prefill_attention.prefill_attention
+    for way in ("kernel", "float32-query", "bf16-sdpa"):
+        monkeypatch.setenv("ASYNCLLM_BF16_ATTENTION", "0" if way == "float32-query" else "")
+        monkeypatch.setattr(cpu_attention, "amx_attention", lambda: way == "bf16-sdpa")
+        calls.clear()
+        kernel_calls = []
+        monkeypatch.setattr(cpu_prefill_attention, "prefill_attention",
+                            lambda q, *a: (kernel_calls.append(q.dtype), real(q, *a))[1])
+        llm = LLM(str(model_dir_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)),
+                  dtype="bfloat16")  # head_dim 32: the kernel's smallest
+        outputs = llm.generate(prompts, params)
+        results[way] = [(o.outputs[0].token_ids, o.prompt_logprobs[1:], p) for o, p in zip(outputs, prompts)]
+        llm.close()
+        assert bool(calls) == (way != "float32-query")  # the bf16 layers ran for the prefill step
+        assert (torch.bfloat16 in kernel_calls) == (way == "kernel")
+
+    def diffs(a, b):
+        return [abs(x[i][p[i + 1]] - y[i][p[i + 1]])
+                for (_, x, p), (_, y, _) in zip(results[a], results[b]) for i in range(len(p) - 1)]
+
+    first = {way: [t[0] for t, _, _ in results[way]] for way in results}
+    assert first["kernel"] == first["bf16-sdpa"] == first["float32-query"]
+    rounding, kernel = diffs("bf16-sdpa", "float32-query"), diffs("kernel", "float32-query")
+    assert max(rounding) > 0 and max(kernel) > 0  # bf16 attention is not the float32 query's
+    # the kernel strays from the float32 query no further than torch's bf16 SDPA does (this tiny model's scaled logits
+    # magnify every rounding: ~0.1 nats on average for either)
+    assert sum(kernel) <= 1.5 * sum(rounding) and max(kernel) <= 1.5 * max(rounding), (kernel, rounding)

@@ -2,8 +2,10 @@
 
 Oracle: float32 SDPA (causal, grouped heads) over keys and values rounded to bf16 as the cache holds them, with the
 float32 query: the kernel must agree within 3e-5 on every row, whatever the heads, head size, lengths, strides and
-row order; bf16 keys and values in give exactly what float32 ones rounded here give. Inside the CPU backend, it
-must run for the step's own-rows chunks and leave the chunks with a prefix and the decodes to the other paths."""
+row order; bf16 keys and values in give exactly what float32 ones rounded here give. Its bf16 variant (bf16 query
+and output) is checked against torch's bf16 SDPA computation written out step by step (float32 scores of the bf16
+values, float32 softmax, probabilities rounded to bf16, output rounded to bf16). Inside the CPU backend, it must run
+for the step's own-rows chunks and leave the chunks with a prefix and the decodes to the other paths."""
 
 from __future__ import annotations
 
@@ -71,6 +73,56 @@ def test_kernel_equals_float32_sdpa_over_the_bf16_cache(heads, kv_heads, dim, le
     assert torch.equal(again[rows], out[rows])
 
 
+def _bf16_sdpa_steps(q, k, v, starts, lengths, scale):
+    """torch's bf16 flash SDPA on CPU, step by step: float32 scores and softmax of the bf16 values, the probabilities
+    rounded to bf16 for the weighted sum, their float32 total dividing it, the output rounded to bf16."""
+    out = torch.zeros_like(q)
+    for s, n in zip(starts.tolist(), lengths.tolist()):
+        qq, kk, vv = (t[s:s + n].float().transpose(0, 1) for t in (q, k, v))
+        group = qq.shape[0] // kk.shape[0]
+        kk, vv = kk.repeat_interleave(group, dim=0), vv.repeat_interleave(group, dim=0)
+        scores = (qq @ kk.transpose(1, 2)) * scale
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+        weighted = e.to(torch.bfloat16).float() @ vv
+        out[s:s + n] = (weighted / e.sum(dim=-1, keepdim=True)).transpose(0, 1).to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,lengths", [
+    pytest.param(9, 3, 64, [128] * 6, id="smollm2-gqa3"),
+    pytest.param(4, 4, 32, [1, 2, 3, 4, 5, 17, 63, 64, 65, 130], id="mha-d32-odd-lengths"),
+    pytest.param(8, 2, 128, [300], id="gqa4-d128-long"),
+    pytest.param(6, 1, 96, [5, 100], id="mqa-d96"),
+])
+def test_bf16_kernel_computes_what_bf16_sdpa_computes(heads, kv_heads, dim, lengths):
+    tokens = sum(lengths) + 3
+    q, k, v = (t.to(torch.bfloat16) for t in _fused_qkv(tokens, heads, kv_heads, dim, seed=7 + len(lengths)))
+    starts, at = [], 3
+    for n in lengths:
+        starts.append(at)
+        at += n
+    starts_t, lengths_t = torch.tensor(starts), torch.tensor(lengths)
+    out = torch.full_like(q, float("nan"))
+    pa.prefill_attention(q, k, v, out, starts_t, lengths_t, dim ** -0.5)
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+    assert torch.isnan(out[:3]).all()  # rows outside the sequences are not written
+    want = _bf16_sdpa_steps(q, k, v, starts_t, lengths_t, dim ** -0.5)[rows].float()
+    got = out[rows].float()
+    # the same numbers up to float32 summation order and exp's last bit: nearly always equal; where a probability
+    # rounds to the other bf16 neighbour (one step of 2^-8 of it), its value's share moves by that much
+    assert (got == want).float().mean() > 0.97
+    torch.testing.assert_close(got, want, atol=2.0 ** -8 * 8, rtol=2.0 ** -7)
+    # and as far from exact float32 attention as torch's own bf16 SDPA is
+    exact = _reference(q.float(), k.float(), v.float(), starts_t, lengths_t, dim ** -0.5)[rows]
+    torch_bf16 = torch.zeros_like(q)
+    for s, n in zip(starts, lengths):
+        qq, kk, vv = (t[s:s + n].transpose(0, 1)[None] for t in (q, k, v))
+        kk, vv = kk.repeat_interleave(heads // kv_heads, dim=1), vv.repeat_interleave(heads // kv_heads, dim=1)
+        torch_bf16[s:s + n] = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=dim ** -0.5)[0].transpose(0, 1)
+    assert (got - exact).abs().max() <= 1.5 * (torch_bf16[rows].float() - exact).abs().max()
+
+
 def test_kernel_keeps_the_float32_query_precision():
     """Rounding the query to bf16 would move the outputs by ~1e-3 here; the kernel keeps it float32 (within 3e-5)."""
     q, k, v = _fused_qkv(200, 4, 2, 64, seed=5)
@@ -92,8 +144,10 @@ def test_kernel_refuses_what_it_does_not_take():
                              lengths, 0.1)
     with pytest.raises(ValueError, match="run past"):
         pa.prefill_attention(q, k, v, out, starts, torch.tensor([17]), 0.1)
-    with pytest.raises(TypeError, match="query must be a float32"):
+    with pytest.raises(TypeError, match="query and out must both be float32 or bfloat16"):
         pa.prefill_attention(q.to(torch.bfloat16), k, v, out, starts, lengths, 0.1)
+    with pytest.raises(TypeError, match="bfloat16 query needs bfloat16 keys"):
+        pa.prefill_attention(q.to(torch.bfloat16), k, v, out.to(torch.bfloat16), starts, lengths, 0.1)
     with pytest.raises(TypeError, match="key and value"):
         pa.prefill_attention(q, k.half(), v.half(), out, starts, lengths, 0.1)
     with pytest.raises(TypeError, match="starts"):
@@ -135,6 +189,51 @@ def test_backend_runs_the_kernel_for_own_rows_chunks_only(monkeypatch):
     plain = backend.forward(batch.query, k_cache, v_cache, meta, 0.125)
     assert not calls
     torch.testing.assert_close(plain, out, atol=3e-5, rtol=3e-5)
+
+
+def test_backend_runs_the_bf16_kernel_for_a_bf16_query(monkeypatch):
+    """A prefill-only step whose layers keep q, k, v bf16 (model/decoder.py): the bf16 kernel for its own-rows chunks,
+    bf16 SDPA for the rest, the numbers of bf16 attention throughout."""
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda: False)
+    step = [(0, 40), (0, 40), (0, 7), (16, 9), (5, 5)]  # no decodes: a prefill-only step
+    batch = paged_batch(step, 8, 2, 64, 16, torch.float32, seed=6)
+    backend = cpu_attention.CpuAttentionBackend()
+    meta = batch.meta()
+    backend.prepare(meta)
+    k_cache, v_cache = batch.k_cache.to(torch.bfloat16), batch.v_cache.to(torch.bfloat16)
+    query, key, value = (t.to(torch.bfloat16) for t in (batch.query, batch.key, batch.value))
+    backend.write_kv(key, value, k_cache, v_cache, meta)
+    calls = []
+    real = pa.prefill_attention
+    monkeypatch.setattr(pa, "prefill_attention", lambda q, *a: (calls.append(q.dtype), real(q, *a))[1])
+    out = backend.forward(query, k_cache, v_cache, meta, 0.125)
+    assert calls == [torch.bfloat16] and out.dtype == torch.bfloat16
+    ref = reference_attention(batch, k_cache.float(), v_cache.float(), 0.125)  # float32, the query exact
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
+
+
+def test_bf16_layers_only_where_every_chunk_attends_to_itself(monkeypatch):
+    """Without AMX a prefill-only step keeps its layers bf16 only when the C kernel takes all its chunks (a chunk
+    with a cached prefix would go to bf16 SDPA, no faster there than float32); ASYNCLLM_BF16_ATTENTION=0 keeps the
+    float32 query everywhere; AMX (bf16 SDPA) always."""
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda: False)
+    backend = cpu_attention.CpuAttentionBackend()
+    hidden, cache = torch.zeros(1, 4), torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)
+
+    def decided(step, hidden=hidden, cache=cache):
+        meta = paged_batch(step, 8, 2, 64, 16, torch.float32, seed=1).meta()
+        backend.prepare(meta)
+        return backend.bf16_prefill_layers(hidden, cache, meta)
+
+    assert decided([(0, 40), (0, 7)])
+    assert not decided([(0, 40), (16, 9)])  # a cached prefix
+    assert not decided([(0, 40)], cache=cache.float())  # a float32 cache stays exact
+    assert not decided([(0, 40)], hidden=hidden.to(torch.bfloat16))
+    monkeypatch.setenv("ASYNCLLM_BF16_ATTENTION", "0")
+    assert not decided([(0, 40), (0, 7)])
+    monkeypatch.delenv("ASYNCLLM_BF16_ATTENTION")
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda: True)
+    assert decided([(0, 40), (16, 9)])
 
 
 def test_backend_leaves_a_float32_cache_to_sdpa(monkeypatch):

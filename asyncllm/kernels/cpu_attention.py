@@ -96,19 +96,34 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
 
 
+def _forced_bf16_attention() -> bool | None:
+    """``ASYNCLLM_BF16_ATTENTION=0|1``: bf16 prefill attention forced off or on; None: decided per machine."""
+    forced = os.environ.get("ASYNCLLM_BF16_ATTENTION", "").strip().lower()
+    if forced in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        return forced in ("1", "true", "yes", "on")
+    return None
+
+
 @functools.cache
 def amx_attention() -> bool:
     """Whether prefill SDPA over a bfloat16 cache runs in bfloat16 here: on CPUs with AMX tiles, where torch's bf16
     flash kernel multiplies in tiles (2.2x float32's on 16 x 128 tokens, 9 heads); elsewhere it measured no faster
     than float32, which then keeps the float32 query's precision. ``ASYNCLLM_BF16_ATTENTION=0|1`` overrides."""
-    forced = os.environ.get("ASYNCLLM_BF16_ATTENTION", "").strip().lower()
-    if forced in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        return forced in ("1", "true", "yes", "on")
+    forced = _forced_bf16_attention()
+    if forced is not None:
+        return forced
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     try:
         return bool(probe and probe() and torch.cpu._init_amx())
     except (AttributeError, RuntimeError):
         return False
+
+
+def bf16_kernel_attention() -> bool:
+    """Whether prefill chunks attending only to themselves may attend in bf16 through the C kernel
+    (kernels/cpu_prefill_attention.py: vdpbf16ps, 1.7x its float32 query's speed on Zen 4) where SDPA would not
+    run bf16 (no AMX); ``ASYNCLLM_BF16_ATTENTION=0`` keeps the float32 query."""
+    return _forced_bf16_attention() is not False and cpu_prefill_attention.available()
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -155,17 +170,34 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def run_prefills(self, plan: PrefillPlan, query, k_cache, v_cache, meta, scale, output,
                      compute_dtype: torch.dtype | None = None) -> None:
-        """The step's prefill chunks: those without a cached prefix through the C kernel where it applies (float32
-        activations over a bf16 cache, the layer's own new keys at hand; kernels/cpu_prefill_attention.py), the
-        rest through SDPA."""
+        """The step's prefill chunks: those without a cached prefix through the C kernel where it applies (a bf16
+        cache, the layer's own new keys at hand, and float32 activations, or bf16 ones on CPUs without AMX:
+        kernels/cpu_prefill_attention.py), the rest through SDPA."""
         own, new = getattr(meta.backend_state, "own_rows", None), self._new_keys
-        if (own is not None and own[0].numel() and compute_dtype is None and query.dtype == torch.float32
-                and output.dtype == torch.float32 and k_cache.dtype == torch.bfloat16 and new is not None
+        if (own is not None and own[0].numel() and compute_dtype is None and query.dtype in (torch.float32, torch.bfloat16)
+                and output.dtype == query.dtype and k_cache.dtype == torch.bfloat16 and new is not None
                 and new.of(k_cache, v_cache, query)
+                # a bf16 query (bf16 prefill layers): AMX CPUs keep torch's bf16 SDPA, which multiplies in tiles
+                and (query.dtype == torch.float32 or (new.key.dtype == torch.bfloat16 and not amx_attention()))
                 and cpu_prefill_attention.shape_supported(query.shape[1], k_cache.shape[2], query.shape[2])):
             starts, lengths, plan = own
             cpu_prefill_attention.prefill_attention(query, new.key, new.value, output, starts, lengths, scale)
         super().run_prefills(plan, query, k_cache, v_cache, meta, scale, output, compute_dtype)
+
+    @staticmethod
+    def bf16_prefill_layers(hidden: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether a prefill-only step's attention layers may keep q, k and v in bf16 from the qkv projection to the o
+        projection (model/decoder.py): float32 activations over a bf16 cache, and either SDPA runs bf16 here
+        (:func:`amx_attention`) or every chunk of the step attends only to itself and the C kernel takes it in bf16
+        (:func:`bf16_kernel_attention`; a chunk with a cached prefix would go to SDPA, bf16 at float32's speed)."""
+        if hidden.dtype != torch.float32 or k_cache.dtype != torch.bfloat16:
+            return False
+        if amx_attention():
+            return True
+        own = getattr(meta.backend_state, "own_rows", None)
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        return (own is not None and not own[2].groups and not own[2].singles and bf16_kernel_attention()
+                and cpu_prefill_attention.shape_supported(kv_heads, kv_heads, head_dim))
 
     @staticmethod
     def prefill_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype | None:

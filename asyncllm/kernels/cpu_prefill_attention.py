@@ -23,6 +23,8 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = (
     ("prefill_attention", (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int, _ptr, _i64, _i64,
                            _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int), ctypes.c_int),
+    ("prefill_attention_bf16", (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64,
+                                _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int), ctypes.c_int),
     ("prefill_attention_supported", (), ctypes.c_int),
 )
 
@@ -50,16 +52,22 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:
     """Causal attention of each sequence's rows ``starts[s] .. starts[s] + lengths[s] - 1`` to themselves, into ``out``.
 
-    query/out: float32 [tokens, heads, head_dim]; key/value: [tokens, kv_heads, head_dim], float32 (rounded to bf16
-    here) or bfloat16, each with a contiguous last dimension; starts/lengths: int64 [n]."""
+    query/out: [tokens, heads, head_dim], both float32 (keys and values float32, rounded to bf16 here, or bfloat16;
+    the query keeps its float32 precision) or both bfloat16 (keys and values bfloat16; the numbers of torch's bf16
+    SDPA); key/value: [tokens, kv_heads, head_dim]; each with a contiguous last dimension; starts/lengths: int64 [n]."""
     lib = _library()
     if lib is None or not available():
         raise RuntimeError("the CPU prefill attention kernel is not available on this machine")
+    if query.dtype not in (torch.float32, torch.bfloat16) or out.dtype != query.dtype:
+        raise TypeError(f"query and out must both be float32 or bfloat16, got {query.dtype} and {out.dtype}")
     for name, t in (("query", query), ("out", out)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3 or t.stride(-1) != 1:
-            raise TypeError(f"{name} must be a float32 CPU tensor [tokens, heads, head_dim] with a contiguous last dim")
+        if t.device.type != "cpu" or t.dim() != 3 or t.stride(-1) != 1:
+            raise TypeError(f"{name} must be a CPU tensor [tokens, heads, head_dim] with a contiguous last dim")
     if key.dtype != value.dtype or key.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"key and value must both be float32 or bfloat16, got {key.dtype} and {value.dtype}")
+    bf16 = query.dtype == torch.bfloat16
+    if bf16 and key.dtype != torch.bfloat16:
+        raise TypeError(f"a bfloat16 query needs bfloat16 keys and values, got {key.dtype}")
     for name, t in (("key", key), ("value", value)):
         if t.device.type != "cpu" or t.dim() != 3 or t.stride(-1) != 1:
             raise TypeError(f"{name} must be a CPU tensor [tokens, kv_heads, head_dim] with a contiguous last dim")
@@ -74,11 +82,17 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError(f"unsupported attention shape: {heads} heads, {kv_heads} KV heads, head_dim {dim}")
     if starts.numel() and int((starts + lengths).max()) > min(tokens, key.shape[0], out.shape[0]):
         raise ValueError("a sequence's rows run past the tensors' rows")
-    failed = lib.prefill_attention(
-        query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0), key.stride(1),
-        value.data_ptr(), value.stride(0), value.stride(1), int(key.dtype == torch.bfloat16), out.data_ptr(),
-        out.stride(0), out.stride(1), starts.data_ptr(), lengths.data_ptr(), starts.numel(), heads, kv_heads, dim,
-        scale, torch.get_num_threads())
+    if bf16:
+        failed = lib.prefill_attention_bf16(
+            query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0), key.stride(1),
+            value.data_ptr(), value.stride(0), value.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+            starts.data_ptr(), lengths.data_ptr(), starts.numel(), heads, kv_heads, dim, scale, torch.get_num_threads())
+    else:
+        failed = lib.prefill_attention(
+            query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0), key.stride(1),
+            value.data_ptr(), value.stride(0), value.stride(1), int(key.dtype == torch.bfloat16), out.data_ptr(),
+            out.stride(0), out.stride(1), starts.data_ptr(), lengths.data_ptr(), starts.numel(), heads, kv_heads,
+            dim, scale, torch.get_num_threads())
     if failed == 1:
         raise MemoryError("the CPU prefill attention kernel could not allocate its scratch memory")
     if failed:

@@ -121,14 +121,14 @@ class Attention(nn.Module):
                               k_cache: torch.Tensor) -> bool:
         """A prefill-only step of a plain attention layer (rotate-half rope over the whole head, no bias, norm, LoRA,
         window, cap or sinks) whose projections multiply in bf16 and whose backend attends in bf16 over this cache."""
-        prefill_dtype = getattr(self.backend, "prefill_dtype", None)
-        return (self.bf16_prefill and prefill_dtype is not None and not meta.decode_indices and not meta.bidirectional
+        bf16_layers = getattr(self.backend, "bf16_prefill_layers", None)
+        return (self.bf16_prefill and bf16_layers is not None and not meta.decode_indices and not meta.bidirectional
                 and positions.dim() == 1
                 and getattr(self.qkv_proj, "compute_dtype", None) == torch.bfloat16 and self.qkv_proj.bias is None
                 and getattr(self.o_proj, "compute_dtype", None) == torch.bfloat16
                 and (self.lora is None or not self.lora.groups) and not self.qk_norm and not self.variant
                 and self.sinks is None and type(self.rotary) in (RotaryEmbedding, MRotaryEmbedding) and self.rotary.plain
-                and self.rotary.rotary_dim == self.head_dim and prefill_dtype(hidden, k_cache) == torch.bfloat16)
+                and self.rotary.rotary_dim == self.head_dim and bf16_layers(hidden, k_cache, meta))
 
     def _forward_bf16_prefill(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                               kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -18,9 +18,6 @@ from .errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}  # per engine step (docs/cpu.md has the CPU trade-off)
-# per step that carries no decodes: no stream waits on it, and on CPU a wave of 32 chat prompts (4,096 tokens) then
-# prefills in one step instead of two and a short third (docs/cpu.md); CUDA's steps already take such a wave
-DEFAULT_PREFILL_ONLY_BUDGET = {"cpu": 4096}
 
 
 @dataclass(frozen=True)
@@ -36,8 +33,6 @@ class Platform:
     decode_stack: bool            # CPU: small decode-only steps run all layers in one C call (kernels/cpu_decode_stack.py)
     cuda_graphs: bool             # decode steps replayed as CUDA graphs
     default_token_budget: int     # max_num_batched_tokens when the engine arguments leave it unset
-    # and the budget of a step that carries no decodes then (never below default_token_budget)
-    default_prefill_only_budget: int
     distributed_backend: str      # torch.distributed backend for tensor parallelism: "nccl" or "gloo"
     # CPU, dtype="bfloat16" on an AVX-512 build: the weights rounded to bf16 and read as paired bf16 panels by the
     # decode stack and the LM head (bf16 dot products from 8 rows on AVX512-BF16), float32 activations between the
@@ -142,8 +137,6 @@ def decide_platform(config: EngineConfig, hf_config) -> Platform:
         cuda_graphs=(config.enable_cuda_graphs and device.type == "cuda" and backend == "triton"
                      and not interpreting() and not parallel),
         default_token_budget=DEFAULT_TOKEN_BUDGET.get(device.type, 2048),
-        default_prefill_only_budget=max(DEFAULT_PREFILL_ONLY_BUDGET.get(device.type, 0),
-                                        DEFAULT_TOKEN_BUDGET.get(device.type, 2048)),
         distributed_backend=distributed_backend(device),
         bf16_weights=bf16_weights and backend == "cpu",
     )

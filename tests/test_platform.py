@@ -21,7 +21,6 @@ def test_cpu_defaults():
     assert p.device == torch.device("cpu") and p.dtype == torch.float32
     assert p.attention_backend == ("cpu" if cpu_kernels_available() else "torch")
     assert p.fused_greedy and not p.cuda_graphs and p.default_token_budget == 2048
-    assert p.default_prefill_only_budget == 4096  # steps without decodes: a 32-prompt wave in one
     assert p.distributed_backend == "gloo" and not p.is_cuda
 
 
@@ -52,7 +51,5 @@ def test_engine_reads_the_decision(model_dirs):
     platform = llm.engine.runner.platform
     assert llm.engine.runner.backend.name == platform.attention_backend == "torch"
     assert llm.engine.scheduler.max_num_batched_tokens == platform.default_token_budget
-    assert llm.engine.scheduler.prefill_only_tokens == platform.default_prefill_only_budget
     custom = LLM(str(model_dirs["llama"]), dtype="float32", max_num_batched_tokens=64)
     assert custom.engine.scheduler.max_num_batched_tokens == 64
-    assert custom.engine.scheduler.prefill_only_tokens == 64  # a budget the user sets holds for every step

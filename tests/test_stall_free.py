@@ -496,24 +496,3 @@ def test_serve_flags_reach_the_engine_arguments():
     for bad in ("0", "-3", "fast", "inf"):
         with pytest.raises(SystemExit):
             parse("--max-itl-ms", bad)
-
-
-def test_a_step_without_decodes_takes_the_prefill_only_budget():
-    """A wave arriving at an idle engine: no stream waits on the step, so it takes ``prefill_only_tokens`` (the CPU
-    default: twice the budget); once streams decode, steps keep to ``max_num_batched_tokens`` again."""
-    for policy in (None, "auto"):
-        step_budget = StepBudget(_synthetic_model(), policy) if policy is not None else None
-        scheduler = Scheduler(KVCacheManager(4096, 16, enable_prefix_caching=False), 64, 256, 8, step_budget,
-                              prefill_only_tokens=512)
-        wave = [_seq(f"w{i}", 100) for i in range(8)]
-        for seq in wave:
-            scheduler.add(seq)
-        first = scheduler.schedule()
-        assert first.total_tokens == 512 and first.seqs == wave[:6]  # 5 whole prompts and a chunk of the sixth
-        _advance(first)
-        second = scheduler.schedule()
-        assert 5 <= len(second.seqs) and second.total_tokens <= 256  # decodes in it: the mixed budget
-    plain = Scheduler(KVCacheManager(64, 16, enable_prefix_caching=False), 8, 256, 8)
-    assert plain.prefill_only_tokens == 256  # none given: the one budget
-    assert Scheduler(KVCacheManager(64, 16, enable_prefix_caching=False), 8, 256, 8,
-                     prefill_only_tokens=100).prefill_only_tokens == 256  # never below the mixed budget

@@ -69,8 +69,6 @@ class EngineCore:
         self.runner = Executor(config, self.hf_config, self.source, self.max_model_len)
         self.vocab_size = self.runner.shape.vocab_size
         self.token_budget = config.max_num_batched_tokens or self.runner.platform.default_token_budget
-        # a step with no decodes may take more (the platform's default); a budget the user set holds for every step
-        self.prefill_only_budget = config.max_num_batched_tokens or self.runner.platform.default_prefill_only_budget
         # the step-time model outlives resets: it describes the machine and the model, not the requests
         self.step_time = StepTimeModel()
         self.step_time.stack_limits = getattr(self.runner, "stack_limits", None)
@@ -109,8 +107,7 @@ class EngineCore:
                                    prompt_logprob_rows(self.vocab_size),
                                    whole_images=bool(getattr(vision, "bidirectional", False)),
                                    encoder_budget=config.encoder_token_budget or self.token_budget,
-                                   encoder_seconds_per_row=self._encoder_seconds_per_row,
-                                   prefill_only_tokens=self.prefill_only_budget)
+                                   encoder_seconds_per_row=self._encoder_seconds_per_row)
         self.block_table_rows = BlockTableRows(config.max_num_seqs)
 
     def reset(self) -> None:

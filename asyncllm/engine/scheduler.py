@@ -1,7 +1,6 @@
 """Token-budget scheduler: which sequences run this step, and how many tokens each computes.
 
-One budget per step (``max_num_batched_tokens``; a step that carries no decodes may take ``prefill_only_tokens``,
-more where the platform's default says so: no stream waits on such a step). Every running sequence that decodes goes first
+One budget per step (``max_num_batched_tokens``). Every running sequence that decodes goes first
 (one token each: a stream never skips a step for a prefill), then the next chunks of running
 prefills, then waiting sequences by priority and arrival; prefill chunks and decodes share the
 batch. How much prefill joins the decodes is the stall-free policy's call (engine/step_budget.py):
@@ -148,20 +147,17 @@ class Scheduler:
                  max_loras: int = 8, step_budget: StepBudget | None = None,
                  max_prompt_logprob_rows: int | None = None, whole_images: bool = False,
                  encoder_budget: int | None = None,
-                 encoder_seconds_per_row: Callable[[], float | None] | None = None,
-                 prefill_only_tokens: int | None = None) -> None:
+                 encoder_seconds_per_row: Callable[[], float | None] | None = None) -> None:
         """``max_prompt_logprob_rows``: prompt positions whose logprobs one step may compute, over
         all sequences (``prompt_logprob_rows``); None: unbounded. ``whole_images``: an image's rows are
         computed in one step and a cached prefix never ends inside one (models attending inside an image
         both ways: Gemma 3). ``encoder_budget``: image rows whose encoding one step may start (the
         first image of a step always goes; None: unbounded). ``encoder_seconds_per_row()``: the measured tower
         time of an image row (None: not measured); with a step-time target, an image whose encoding would not
-        fit what the step has left is encoded ahead too. ``prefill_only_tokens``: the token budget of a step with
-        no decodes (None, or less than ``max_num_batched_tokens``: that budget)."""
+        fit what the step has left is encoded ahead too."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self._prefill_only_tokens = prefill_only_tokens or 0
         self.max_loras = max_loras
         self.step_budget = step_budget  # None: prefills take whatever token budget the decodes leave
         self.waiting = WaitingQueue()   # preempted ones first within their priority
@@ -185,11 +181,6 @@ class Scheduler:
         self.sent_ahead: OrderedDict[str, None] = OrderedDict()  # images being encoded ahead (bounded as above)
         self._waits_for_image: Sequence | None = None  # the sequence this step stopped before such an image
         self._step_decodes = 0  # decode rows in this step: streams an image's whole pass would stall
-
-    @property
-    def prefill_only_tokens(self) -> int:
-        """The token budget of a step that carries no decodes: never less than ``max_num_batched_tokens``."""
-        return max(self._prefill_only_tokens, self.max_num_batched_tokens)
 
     @property
     def num_seats_taken(self) -> int:
@@ -242,8 +233,7 @@ class Scheduler:
     def _prefill_allowance(self, batch: ScheduledBatch, prefilling: list[Sequence]) -> PrefillAllowance:
         """What prefill may join the decodes in ``batch``; ``prefilling``: running sequences still
         computing their prompts."""
-        budget = self.max_num_batched_tokens if batch.seqs else self.prefill_only_tokens
-        tokens = budget - batch.total_tokens
+        tokens = self.max_num_batched_tokens - batch.total_tokens
         if self.step_budget is None:
             return PrefillAllowance(tokens)
         decode_context = sum(seq.num_computed_tokens + 1 for seq in batch.seqs)  # KV positions the decodes read

@@ -86,8 +86,9 @@ class Attention(nn.Module):
         self.head_start, self.full_heads = head_share[0], full.num_heads
         self.sinks = nn.Parameter(torch.empty(shape.num_heads)) if shape.attn_sinks else None
 
-    # dtype="bfloat16" prefill on CPUs whose SDPA runs bf16 (kernels/cpu_attention.py): q, k, v stay bf16 from the
-    # qkv projection to the o projection (False: the float32 path, which computes the same numbers; tests compare)
+    # dtype="bfloat16" prefill on CPU where attention runs bf16 (kernels/cpu_attention.py: SDPA on AMX CPUs, the C
+    # kernel's bf16 variant elsewhere): q, k, v stay bf16 from the qkv projection to the o projection (False: the
+    # float32 path; on AMX CPUs it computes the same numbers, elsewhere it keeps the float32 query; tests compare)
     bf16_prefill: ClassVar[bool] = True
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,

@@ -37,6 +37,15 @@ def _reference(q, k, v, starts, lengths, scale):
     return out
 
 
+# heads, KV heads, head size and sequence lengths the kernels are checked on
+SHAPES = [
+    pytest.param(9, 3, 64, [128] * 6, id="smollm2-gqa3"),
+    pytest.param(4, 4, 32, [1, 2, 3, 4, 5, 17, 63, 64, 65, 130], id="mha-d32-odd-lengths"),
+    pytest.param(8, 2, 128, [300], id="gqa4-d128-long"),
+    pytest.param(6, 1, 96, [5, 100], id="mqa-d96"),
+]
+
+
 def _fused_qkv(tokens, heads, kv_heads, dim, seed):
     """q, k, v as strided views of one fused qkv tensor, as the model's projection makes them."""
     gen = torch.Generator().manual_seed(seed)
@@ -45,12 +54,7 @@ def _fused_qkv(tokens, heads, kv_heads, dim, seed):
     return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,lengths", [
-    pytest.param(9, 3, 64, [128] * 6, id="smollm2-gqa3"),
-    pytest.param(4, 4, 32, [1, 2, 3, 4, 5, 17, 63, 64, 65, 130], id="mha-d32-odd-lengths"),
-    pytest.param(8, 2, 128, [300], id="gqa4-d128-long"),
-    pytest.param(6, 1, 96, [5, 100], id="mqa-d96"),
-])
+@pytest.mark.parametrize("heads,kv_heads,dim,lengths", SHAPES)
 def test_kernel_equals_float32_sdpa_over_the_bf16_cache(heads, kv_heads, dim, lengths):
     tokens = sum(lengths) + len(lengths) + 4
     q, k, v = _fused_qkv(tokens, heads, kv_heads, dim, seed=len(lengths))
@@ -89,12 +93,7 @@ def _bf16_sdpa_steps(q, k, v, starts, lengths, scale):
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,lengths", [
-    pytest.param(9, 3, 64, [128] * 6, id="smollm2-gqa3"),
-    pytest.param(4, 4, 32, [1, 2, 3, 4, 5, 17, 63, 64, 65, 130], id="mha-d32-odd-lengths"),
-    pytest.param(8, 2, 128, [300], id="gqa4-d128-long"),
-    pytest.param(6, 1, 96, [5, 100], id="mqa-d96"),
-])
+@pytest.mark.parametrize("heads,kv_heads,dim,lengths", SHAPES)
 def test_bf16_kernel_computes_what_bf16_sdpa_computes(heads, kv_heads, dim, lengths):
     tokens = sum(lengths) + 3
     q, k, v = (t.to(torch.bfloat16) for t in _fused_qkv(tokens, heads, kv_heads, dim, seed=7 + len(lengths)))

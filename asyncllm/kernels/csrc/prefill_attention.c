@@ -42,6 +42,25 @@ static inline __m512 round16(__m512 x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* The work items' table: item i -> (sequence, first row), QB rows each, without a search per item; the longest
+ * sequence too. Returns 1 if the table could not be allocated (*item_seq stays NULL when there is nothing to do). */
+static int work_items(const int64_t *seq_lens, int64_t num_seqs, int64_t *max_len, int64_t *items, int64_t **item_seq) {
+    for (int64_t s = 0; s < num_seqs; s++) {
+        if (seq_lens[s] > *max_len) *max_len = seq_lens[s];
+        *items += (seq_lens[s] + QB - 1) / QB;
+    }
+    if (*max_len == 0) return 0;
+    int64_t *table = malloc(sizeof(int64_t) * 2 * (size_t)*items);
+    if (!table) return 1;
+    for (int64_t s = 0, i = 0; s < num_seqs; s++)
+        for (int64_t r = 0; r < seq_lens[s]; r += QB, i++) {
+            table[2 * i] = s;
+            table[2 * i + 1] = r;
+        }
+    *item_seq = table;
+    return 0;
+}
+
 /* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a shape it does not take (head_dim not
  * a multiple of 32, or heads not a multiple of kv_heads). q/out: float32 [tokens, heads, head_dim] with the given
  * token and head strides (elements); k/v: [tokens, kv_heads, head_dim], float32 or bf16 (kv_bf16); sequence s
@@ -53,20 +72,9 @@ int prefill_attention(const float *q, int64_t q_tok, int64_t q_head, const void 
     if (dim % 32 || dim <= 0 || kv_heads <= 0 || heads % kv_heads) return 2;
     const int64_t group = heads / kv_heads;
     int64_t max_len = 0, items = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t len = seq_lens[s];
-        if (len > max_len) max_len = len;
-        items += (len + QB - 1) / QB;
-    }
+    int64_t *item_seq = NULL;
+    if (work_items(seq_lens, num_seqs, &max_len, &items, &item_seq)) return 1;
     if (max_len == 0) return 0;
-    /* item i -> (sequence, first row) without a search per item: a table */
-    int64_t *item_seq = malloc(sizeof(int64_t) * 2 * (size_t)items);
-    if (!item_seq) return 1;
-    for (int64_t s = 0, i = 0; s < num_seqs; s++)
-        for (int64_t r = 0; r < seq_lens[s]; r += QB, i++) {
-            item_seq[2 * i] = s;
-            item_seq[2 * i + 1] = r;
-        }
     const int64_t padded = (max_len + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (items > 1)
@@ -223,19 +231,9 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head, con
     if (dim % 32 || dim <= 0 || kv_heads <= 0 || heads % kv_heads) return 2;
     const int64_t group = heads / kv_heads, pairs = dim / 2;
     int64_t max_len = 0, items = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t len = seq_lens[s];
-        if (len > max_len) max_len = len;
-        items += (len + QB - 1) / QB;
-    }
+    int64_t *item_seq = NULL;
+    if (work_items(seq_lens, num_seqs, &max_len, &items, &item_seq)) return 1;
     if (max_len == 0) return 0;
-    int64_t *item_seq = malloc(sizeof(int64_t) * 2 * (size_t)items);
-    if (!item_seq) return 1;
-    for (int64_t s = 0, i = 0; s < num_seqs; s++)
-        for (int64_t r = 0; r < seq_lens[s]; r += QB, i++) {
-            item_seq[2 * i] = s;
-            item_seq[2 * i + 1] = r;
-        }
     const int64_t padded = (max_len + 31) / 32 * 32;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (items > 1)

@@ -34,6 +34,8 @@ def experts_with_lora(stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.
     order = torch.argsort(flat, stable=True)
     order = order[(flat[order] >= first) & (flat[order] < first + local)]  # this rank's experts' pairs
     pair_experts, pair_tokens = flat[order], order // k
+    if pair_tokens.numel() == 0:  # expert parallel: no token chose this rank's experts this step
+        return out
     pair_weights = weights.reshape(-1)[order].to(x.dtype)
     slots = torch.full((tokens,), -1, dtype=torch.int64, device=x.device)
     known = min(tokens, row_slots.numel())

@@ -42,6 +42,20 @@ static inline __m512 round16(__m512 x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* One row's causal softmax numerators in place: exp(s - max) over its first n scores, zeros from n up to end;
+ * returns their float32 total (the caller divides by it at the end). */
+static inline float softmax_row(float *sr, int64_t n, int64_t end) {
+    float m = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) sr[j] = expf(sr[j] - m);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; j++) sum += sr[j];
+    for (int64_t j = n; j < end; j++) sr[j] = 0.0f;
+    return sum;
+}
+
 /* The work items' table: item i -> (sequence, first row), QB rows each, without a search per item; the longest
  * sequence too. Returns 1 if the table could not be allocated (*item_seq stays NULL when there is nothing to do). */
 static int work_items(const int64_t *seq_lens, int64_t num_seqs, int64_t *max_len, int64_t *items, int64_t **item_seq) {
@@ -158,15 +172,7 @@ int prefill_attention(const float *q, int64_t q_tok, int64_t q_head, const void 
                     for (int64_t r = 0; r < nr; r++) {
                         float *sr = scores + r * padded;
                         const int64_t n = i0 + r + 1; /* causal: keys 0 .. i0 + r */
-                        float m = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : m)
-                        for (int64_t j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;
-#pragma omp simd
-                        for (int64_t j = 0; j < n; j++) sr[j] = expf(sr[j] - m);
-#pragma omp simd reduction(+ : sum)
-                        for (int64_t j = 0; j < n; j++) sum += sr[j];
-                        for (int64_t j = n; j < seen; j++) sr[j] = 0.0f;
-                        inv[r] = 1.0f / sum;
+                        inv[r] = 1.0f / softmax_row(sr, n, seen);
                     }
                     for (int64_t d0 = 0; d0 < dim; d0 += 32) {
                         __m512 o00 = _mm512_setzero_ps(), o01 = _mm512_setzero_ps(), o10 = _mm512_setzero_ps(),
@@ -321,14 +327,7 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head, con
                         float *sr = scores + r * padded;
                         uint16_t *pr = probs + r * padded;
                         const int64_t n = i0 + r + 1; /* causal: keys 0 .. i0 + r */
-                        float m = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : m)
-                        for (int64_t j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;
-#pragma omp simd
-                        for (int64_t j = 0; j < n; j++) sr[j] = expf(sr[j] - m);
-#pragma omp simd reduction(+ : sum)
-                        for (int64_t j = 0; j < n; j++) sum += sr[j];
-                        for (int64_t j = n; j < spad; j++) sr[j] = 0.0f;
+                        const float sum = softmax_row(sr, n, spad);
                         for (int64_t j = 0; j < spad; j += 16)
                             _mm256_store_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sr + j)));
                         inv[r] = 1.0f / sum;

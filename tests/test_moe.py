@@ -354,3 +354,21 @@ def test_quantized_expert_tensors_without_a_quantization_config_are_refused_by_n
         save_file(tensors, target / "model.safetensors")
         with pytest.raises(ModelLoadError, match=r"experts\.1\.w1.*a quantized expert tensor, but config.json has no"):
             LLM(str(target), dtype="float32")
+
+
+def test_lora_experts_of_a_rank_no_token_chose_give_zeros():
+    """Expert parallel: when every token routes to the other rank's experts, this rank's LoRA expert pass adds
+    nothing (it once raised in index_add_ on the empty result)."""
+    from types import SimpleNamespace
+
+    from asyncllm.model.moe_lora import experts_with_lora
+
+    def untouched(*_):
+        raise AssertionError("no expert of this rank should run")
+
+    stack = SimpleNamespace(first_expert=4, local_experts=4, project_gate_up=untouched, project_down=untouched,
+                            activation=untouched, moe=SimpleNamespace(weights_on_input=False))
+    x = torch.randn(5, 64)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]])  # experts 0-3 only: the other rank's
+    out = experts_with_lora(stack, x, torch.full((5, 2), 0.5), ids, torch.zeros(5, dtype=torch.int64), {})
+    assert out.shape == x.shape and torch.equal(out, torch.zeros_like(x))

@@ -317,6 +317,38 @@ def test_bf16_prefill_attention_equals_the_float32_attention_path(model_dirs, ki
 
 
 @pytest.mark.skipif(not panels_supported(), reason="the bf16-weight path is an AVX-512 build's")
+@pytest.mark.parametrize("amx", [True, False], ids=["bf16-sdpa", "c-kernel"])
+def test_bf16_residual_layers_equal_converting_around_each_norm(model_dir_factory, amx, monkeypatch):
+    """A prefill-only step whose layers all keep q, k, v bf16 runs whole layers between the float32 residual and bf16
+    activations (norms adding bf16 projection outputs and rounding their own): the same prompt logprobs and tokens,
+    bit for bit, as the layers that convert around each norm (DecoderLayer.bf16_residual = False)."""
+    from asyncllm.kernels import cpu_attention, cpu_prefill_attention
+    from asyncllm.model.decoder import DecoderLayer
+
+    if not bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()):
+        pytest.skip("oneDNN has no native bf16 here: the projections stay float32")
+    if not amx and not cpu_prefill_attention.available():
+        pytest.skip("the C prefill attention kernel needs AVX512-BF16")
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda: amx)
+    model_dir = model_dir_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    prompts = random_prompts("bf16-residual", [5, 17, 17, 40, 64])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    calls = []
+    fused = DecoderLayer.forward_bf16_residual
+    monkeypatch.setattr(DecoderLayer, "forward_bf16_residual", lambda self, *a: (calls.append(1), fused(self, *a))[1])
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(DecoderLayer, "bf16_residual", on)
+        calls.clear()
+        llm = LLM(str(model_dir), dtype="bfloat16")
+        outputs = llm.generate(prompts, params)
+        results[on] = [(o.outputs[0].token_ids, o.prompt_logprobs[1:]) for o in outputs]
+        llm.close()
+        assert bool(calls) == on  # the prefill step took the path only while switched on
+    assert results[True] == results[False]
+
+
+@pytest.mark.skipif(not panels_supported(), reason="the bf16-weight path is an AVX-512 build's")
 def test_bf16_prefill_layers_through_the_c_kernel_without_amx(model_dir_factory, monkeypatch):
     """Without AMX, a prefill-only step whose chunks all attend to themselves keeps q, k, v bf16 and attends through
     the C kernel's bf16 variant (the numbers of bf16 SDPA): against the float32 query (ASYNCLLM_BF16_ATTENTION=0),

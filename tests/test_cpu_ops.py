@@ -38,6 +38,39 @@ def test_rms_norm_and_residual_add(tokens, threads):
     torch.testing.assert_close(normed, ref_normed, **TOL)
 
 
+@pytest.mark.parametrize("tokens", [3, 300])  # 300 x 576 crosses the kernels' threading threshold
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_mixed_rms_norm_equals_converting_around_the_float32_kernel(tokens, out_dtype, threads):
+    """The bf16 residual path's norm (model/decoder.py): a bf16 projection output added to the float32 residual and
+    the norm rounded to bf16 in one pass, bit for bit what widening, the float32 kernel and rounding give."""
+    gen = torch.Generator().manual_seed(tokens)
+    x, residual = (torch.randn(tokens, 576, generator=gen) * 3).to(torch.bfloat16), torch.randn(tokens, 576, generator=gen)
+    weight = torch.randn(576, generator=gen)
+    total, normed = fused(ops.rms_norm_as, x, residual, weight, 1e-5, out_dtype)
+    ref_total, ref_normed = fused(ops.add_rms_norm, x.float(), residual, weight, 1e-5)
+    assert normed.dtype == out_dtype and torch.equal(total, ref_total) and torch.equal(normed, ref_normed.to(out_dtype))
+    none, plain = fused(ops.rms_norm_as, residual, None, weight, 1e-5, out_dtype)
+    assert none is None and torch.equal(plain, fused(ops.rms_norm, residual, weight, 1e-5).to(out_dtype))
+    # the torch path off the C family: the same numbers up to rsqrt's last bit
+    torch_total, torch_normed = ops.rms_norm_as(x, residual, weight, 1e-5, out_dtype)
+    assert torch.equal(torch_total, total)
+    torch.testing.assert_close(torch_normed.float(), normed.float(), atol=2e-5, rtol=1e-2 if out_dtype == torch.bfloat16 else 2e-5)
+
+
+def test_mixed_rms_norm_refuses_what_it_cannot_take():
+    x, weight = torch.randn(4, 8), torch.ones(8)
+    with pytest.raises(TypeError, match="x must be float32 when there is no residual"):
+        cpu_ops.rms_norm_mixed(x.bfloat16(), weight, 1e-6)
+    with pytest.raises(TypeError, match="x must be a float32 or bfloat16"):
+        cpu_ops.rms_norm_mixed(x.double(), weight, 1e-6)
+    with pytest.raises(ValueError, match="x must be a contiguous"):
+        cpu_ops.rms_norm_mixed(x.t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="residual must be contiguous"):
+        cpu_ops.rms_norm_mixed(x, weight, 1e-6, torch.randn(4, 4))
+    with pytest.raises(TypeError, match="out_dtype"):
+        cpu_ops.rms_norm_mixed(x, weight, 1e-6, None, torch.float16)
+
+
 def test_per_head_rms_norm_on_a_fused_qkv_view(threads):
     """Qwen3's q/k norms: rows are heads inside each token's slice of the qkv tensor."""
     qkv = torch.randn(7, (4 + 2 * 2) * 32)

@@ -1,5 +1,5 @@
 """ctypes bindings of the CPU kernels in ``csrc/elementwise.c``, ``csrc/sampling.c`` and ``csrc/lora.c``
-(float32, and bfloat16 for the SiLU-and-multiply of bf16 prefill MLPs).
+(float32, and bfloat16 for the RMSNorm, SiLU-and-multiply and rotary of bf16 prefill layers).
 
 Callers go through :mod:`asyncllm.kernels.ops`, which only sends float32 CPU tensors here and only
 for engines on the ``cpu`` attention backend; these functions check their inputs anyway.
@@ -16,6 +16,7 @@ from .cpu_build import load_library
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _ELEMENTWISE = (
     ("rms_norm_f32", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int), None),
+    ("rms_norm_mixed", (_ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _i64, _i64, _f32, _int), None),
     ("silu_and_mul_f32", (_ptr, _ptr, _i64, _ptr, _i64, _i64, _int), None),
     ("silu_and_mul_bf16", (_ptr, _ptr, _i64, _ptr, _i64, _i64, _int), None),
     ("rotary_f32", (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int), _int),
@@ -112,6 +113,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                             residual.data_ptr() if residual is not None else None,
                             total.data_ptr() if total is not None else None, normed.data_ptr(),
                             weight.data_ptr(), rows, cols, eps, torch.get_num_threads())
+    return normed, total
+
+
+def rms_norm_mixed(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                   out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(x + residual) * weight in ``out_dtype``, x + residual in float32), or (rms_norm(x) * weight, None):
+    ``x`` bf16 or float32 (float32 without a residual), ``residual`` float32, all contiguous [rows, cols]; the
+    numbers of widening ``x``, :func:`rms_norm`, then rounding to ``out_dtype`` (bf16 to nearest even)."""
+    _check("weight", weight)
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"x must be a float32 or bfloat16 CPU tensor, got {x.dtype} on {x.device}")
+    if x.dim() != 2 or not x.is_contiguous() or weight.shape != (x.shape[1],):
+        raise ValueError(f"x must be a contiguous [rows, {weight.shape[0]}] tensor, got {tuple(x.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    total = None
+    if residual is not None:
+        _check("residual", residual)
+        if not residual.is_contiguous() or residual.shape != x.shape:
+            raise ValueError("residual must be contiguous with x's shape")
+        total = torch.empty_like(residual)
+    elif x.dtype != torch.float32:
+        raise TypeError("x must be float32 when there is no residual to add it to")
+    normed = torch.empty(x.shape, dtype=out_dtype)
+    _library().rms_norm_mixed(x.data_ptr(), x.dtype == torch.bfloat16,
+                              residual.data_ptr() if residual is not None else None,
+                              total.data_ptr() if total is not None else None, normed.data_ptr(),
+                              out_dtype == torch.bfloat16, weight.data_ptr(), x.shape[0], x.shape[1], eps,
+                              torch.get_num_threads())
     return normed, total
 
 

@@ -94,6 +94,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return total, rms_norm(total, weight, eps)
 
 
+def rms_norm_as(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(residual + x in float32, its rms_norm rounded to ``dtype``), or (None, rms_norm(x) in ``dtype``) without a
+    residual: ``x`` a bf16 or float32 projection output, ``residual`` the float32 residual stream (the bf16 residual
+    path of dtype="bfloat16" prefill, model/decoder.py). One C pass under the C family; elsewhere the same numbers
+    in torch ops."""
+    from . import cpu_ops as kernels
+
+    plain = residual is None or (residual.dtype == torch.float32 and residual.is_contiguous())
+    if (_family.get() == _CPU and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() and plain
+            and x.dtype in (torch.float32, torch.bfloat16) and (residual is not None or x.dtype == torch.float32)
+            and dtype in (torch.float32, torch.bfloat16) and weight.dtype == torch.float32):
+        normed, total = kernels.rms_norm_mixed(x, weight, eps, residual, dtype)
+        return total, normed
+    total = x.float() if residual is None else residual + x.float()
+    return (None if residual is None else total), rms_norm(total, weight, eps).to(dtype)
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: the gated activation of Llama-family MLPs."""
     if use_triton(gate):

@@ -34,7 +34,7 @@ from ..kernels.metadata import AttentionMetadata
 from .layers import QKVParallelLinear, RowParallelLinear, VocabParallelLMHead, vocab_rows
 from .mla import LatentAttention
 from .mlp import MLP
-from .norms import make_norm
+from .norms import RMSNorm, make_norm
 from .moe import SparseMoE
 from .registry import LLAMA_LORA_TARGETS, SPLIT_PROJECTIONS
 from .rotary import MRotaryEmbedding, RotaryEmbedding, rope_parameters, rope_type_of
@@ -132,10 +132,12 @@ class Attention(nn.Module):
                 and self.rotary.rotary_dim == self.head_dim and bf16_layers(hidden, k_cache, meta))
 
     def _forward_bf16_prefill(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                              kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                              kv_cache: tuple[torch.Tensor, torch.Tensor],
+                              out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """forward() with q, k, v in bf16 from the qkv matmul's output to the o projection's input: the same numbers
         as the float32 path (oneDNN rounds its bf16 output; the float32 path rounds the rotated k for the cache and
-        q for the bf16 SDPA, and o rounds its input), without four conversion passes per layer."""
+        q for the bf16 SDPA, and o rounds its input), without four conversion passes per layer. ``hidden`` float32
+        or already bf16; the output in ``out_dtype`` (default ``hidden``'s)."""
         from ..kernels.cpu_ops import rotary_embedding_
 
         tokens = hidden.shape[0]
@@ -148,7 +150,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta)
         out = self.backend.forward(q, k_cache, v_cache, meta, self.scale).view(tokens, self.q_size)
-        return self.tp.all_reduce(self.o_proj.forward_as(out, hidden.dtype))
+        return self.tp.all_reduce(self.o_proj.forward_as(out, out_dtype or hidden.dtype))
 
     def weight_loader(self, kind: str, tensor: torch.Tensor, part, name: str) -> None:
         """The checkpoint's ``sinks`` (one per head of the whole model), cut to this rank's heads."""
@@ -190,6 +192,40 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = make_norm(shape, size)
         if shape.layout == "sandwich":
             self.pre_feedforward_layernorm = make_norm(shape, size)
+
+    # dtype="bfloat16" prefill on CPU: whole layers between a float32 residual stream and bf16 activations (False:
+    # the layers convert around each norm; the same numbers, tests compare)
+    bf16_residual: ClassVar[bool] = True
+
+    def bf16_residual_applies(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                              kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether this layer may run :meth:`forward_bf16_residual`: a Llama-shaped layer (pre-norm RMSNorms, no
+        residual scale, a dense MLP without bias) on one rank whose attention keeps q, k, v bf16 in this step and
+        whose MLP multiplies in bf16, so that nothing between the norms needs float32 activations."""
+        attn, mlp = self.self_attn, self.mlp
+        return (self.bf16_residual and self.layout == "pre" and self.residual_scale == 1.0
+                and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+                and type(mlp) is MLP and not mlp.tp.enabled and mlp.down_proj.bias is None
+                and mlp.bf16_activations_apply()
+                and type(attn) is Attention and not attn.tp.enabled and attn.o_proj.bias is None
+                and attn._bf16_prefill_applies(positions, hidden, meta, kv_cache[0]))
+
+    def forward_bf16_residual(self, positions: torch.Tensor, hidden: torch.Tensor, pending: torch.Tensor | None,
+                              meta: AttentionMetadata,
+                              kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() for a step where :meth:`bf16_residual_applies`, with the previous layer's MLP output
+        ``pending`` (bf16, None before the first layer) not yet added to the float32 residual ``hidden``; returns
+        (the residual, this layer's MLP output, bf16 and likewise not added). Each norm adds its bf16 input to the
+        residual and rounds its output to bf16 in one pass (``rms_norm_mixed`` in csrc/elementwise.c), so the o and
+        down projections hand back oneDNN's bf16 output and qkv and gate_up take bf16 input: the same numbers as
+        :meth:`forward` (widening is exact, and its conversions round to nearest even as the kernel does), without
+        four conversion passes and the MLP's residual add per layer."""
+        total, normed = self.input_layernorm.add_and_norm_as(pending, hidden, torch.bfloat16) \
+            if pending is not None else self.input_layernorm.add_and_norm_as(hidden, None, torch.bfloat16)
+        hidden = total if total is not None else hidden
+        attn = self.self_attn._forward_bf16_prefill(positions, normed, meta, kv_cache, torch.bfloat16)
+        hidden, normed = self.post_attention_layernorm.add_and_norm_as(attn, hidden, torch.bfloat16)
+        return hidden, self.mlp._forward_bf16(normed, torch.bfloat16)
 
     def forward(self, positions, hidden, meta, kv_cache) -> torch.Tensor:
         layout = self.layout
@@ -348,9 +384,25 @@ class DecoderModel(nn.Module):
         """[tokens] ids and positions -> [tokens, hidden] final hidden states. ``input_embeds``: the step's
         input rows already embedded (a prompt's images in place of their placeholders; model/image_embeddings.py)."""
         hidden = self.embed(input_ids) if input_embeds is None else input_embeds
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        layers = self.model.layers
+        if self._bf16_residual_applies(positions, hidden, meta, kv_caches):
+            pending = None
+            for layer, kv_cache in zip(layers, kv_caches):
+                hidden, pending = layer.forward_bf16_residual(positions, hidden, pending, meta, kv_cache)
+            if type(self.model.norm) is RMSNorm:
+                return self.model.norm.add_and_norm_as(pending, hidden, hidden.dtype)[1]
+            return self.model.norm(hidden + pending)
+        for layer, kv_cache in zip(layers, kv_caches):
             hidden = layer(positions, hidden, meta, kv_cache)
         return self.model.norm(hidden)
+
+    def _bf16_residual_applies(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether every layer takes this step on the bf16 residual path (DecoderLayer.forward_bf16_residual)."""
+        layers = self.model.layers
+        return (len(layers) > 0 and hidden.dtype == torch.float32
+                and all(type(layer) is DecoderLayer and layer.bf16_residual_applies(positions, hidden, meta, kv_cache)
+                        for layer, kv_cache in zip(layers, kv_caches)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = getattr(self, "lm_head", None)  # tied models get one only when the CPU path packs it

@@ -51,12 +51,18 @@ class MLP(nn.Module):
         return (getattr(self.gate_up_proj, "compute_dtype", None) == torch.bfloat16
                 and getattr(self.down_proj, "compute_dtype", None) == torch.bfloat16)
 
-    def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+    def bf16_activations_apply(self) -> bool:
+        """Whether this call would run :meth:`_forward_bf16` (no adapter in the batch, both matmuls in bf16)."""
+        return (self.lora is None or not self.lora.groups) and self._bf16_matmuls()
+
+    def _forward_bf16(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The MLP with its activations bf16 from gate_up's output to down's input: gate_up hands back bf16, the
         activation reads and writes bf16 (computing in float32), and down returns ``x``'s dtype. Against
         widening to float32 in between, this drops two conversion passes over the widest tensors of the layer
         (2 x intermediate, then intermediate wide) and halves the activation's memory traffic, with the same
-        numbers: oneDNN's bf16 matmul rounds its output to bf16 anyway, and down rounded its input to bf16."""
+        numbers: oneDNN's bf16 matmul rounds its output to bf16 anyway, and down rounded its input to bf16.
+        ``out_dtype`` (default ``x``'s): bf16 hands down's output back as oneDNN rounded it (the bf16 residual path
+        of model/decoder.py adds it to the float32 residual in the next norm's pass)."""
         gate_up = self.gate_up_proj.forward_as(x, torch.bfloat16)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj.forward_as(self.act_and_mul(gate, up), x.dtype))
+        return self.tp.all_reduce(self.down_proj.forward_as(self.act_and_mul(gate, up), out_dtype or x.dtype))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.ops import add_rms_norm, rms_norm
+from ..kernels.ops import add_rms_norm, rms_norm, rms_norm_as
 from .shape import DecoderShape
 
 
@@ -23,6 +23,12 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, norm(residual + x)), fused into one kernel where Triton ops are on."""
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def add_and_norm_as(self, x: torch.Tensor, residual: torch.Tensor | None,
+                        dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(residual + x in float32, its norm in ``dtype``), or (None, norm(x) in ``dtype``) when ``residual`` is
+        None: ``x`` may be a projection's bf16 output, added to the float32 residual without a conversion pass."""
+        return rms_norm_as(x, residual, self.weight, self.eps, dtype)
 
 
 class LayerNorm(nn.Module):

@@ -86,6 +86,50 @@ void silu_and_mul_bf16(const uint16_t *gate, const uint16_t *up, int64_t in_stri
     }
 }
 
+/* RMSNorm with the bf16 activations of dtype="bfloat16" prefill around it (model/decoder.py's bf16 residual path):
+ * x is a projection's output as oneDNN hands it back (bf16, or float32), residual the float32 residual stream.
+ * With a residual, total = widen(x) + residual is written (float32) and normed; without one x must be float32
+ * and is normed itself. normed is written bf16 (rounded once, to nearest even) or float32. The arithmetic is
+ * rms_norm_f32's, loop for loop, so the result is bit for bit widening x, rms_norm_f32, then rounding: what the
+ * layers computed with a conversion pass on each side. All tensors are contiguous [rows, cols]. */
+void rms_norm_mixed(const void *x, int x_is_bf16, const float *residual, float *total, void *normed,
+                    int normed_is_bf16, const float *weight, int64_t rows, int64_t cols, float eps,
+                    int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src;
+        if (residual) {
+            const float *rr = residual + r * cols;
+            float *tr = total + r * cols;
+            if (x_is_bf16) {
+                const uint16_t *xr = (const uint16_t *)x + r * cols;
+#pragma omp simd
+                for (int64_t i = 0; i < cols; i++) tr[i] = bf16_to_f32(xr[i]) + rr[i];
+            } else {
+                const float *xr = (const float *)x + r * cols;
+#pragma omp simd
+                for (int64_t i = 0; i < cols; i++) tr[i] = xr[i] + rr[i];
+            }
+            src = tr;
+        } else {
+            src = (const float *)x + r * cols;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < cols; i++) sum += src[i] * src[i];
+        const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+        if (normed_is_bf16) {
+            uint16_t *nr = (uint16_t *)normed + r * cols;
+#pragma omp simd
+            for (int64_t i = 0; i < cols; i++) nr[i] = f32_to_bf16(weight[i] * (src[i] * inv));
+        } else {
+            float *nr = (float *)normed + r * cols;
+#pragma omp simd
+            for (int64_t i = 0; i < cols; i++) nr[i] = weight[i] * (src[i] * inv);
+        }
+    }
+}
+
 /* Rotate each head of x ([tokens, heads, head_dim], token stride given, heads contiguous) in place by
  * the angles of its token's position: tables are cat(freqs, freqs) rows of cos/sin per position
  * (positions already checked against the tables' length). */

@@ -26,6 +26,13 @@ def _rounded_reference(model_dir):
     return model
 
 
+def _count_calls(monkeypatch, cls, name: str) -> list:
+    """A list that grows by one at every call of ``cls.name`` (which still runs) while ``monkeypatch`` holds."""
+    calls, method = [], getattr(cls, name)
+    monkeypatch.setattr(cls, name, lambda self, *a: (calls.append(1), method(self, *a))[1])
+    return calls
+
+
 def _one_token_prompts() -> list[list[int]]:
     return [[t] for t in (17, 250, 731)]  # one-token prompts: every step is decode-shaped (the decode stack's)
 
@@ -296,9 +303,7 @@ def test_bf16_prefill_attention_equals_the_float32_attention_path(model_dirs, ki
     native = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
     prompts = random_prompts(f"bf16-attn-{kind}", [5, 17, 17, 40, 64])  # two of one shape: one SDPA call
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
-    calls = []
-    fused = Attention._forward_bf16_prefill
-    monkeypatch.setattr(Attention, "_forward_bf16_prefill", lambda self, *a: (calls.append(1), fused(self, *a))[1])
+    calls = _count_calls(monkeypatch, Attention, "_forward_bf16_prefill")
     results = {}
     for on in (True, False):
         monkeypatch.setattr(Attention, "bf16_prefill", on)
@@ -333,9 +338,7 @@ def test_bf16_residual_layers_equal_converting_around_each_norm(model_dir_factor
     model_dir = model_dir_factory("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     prompts = random_prompts("bf16-residual", [5, 17, 17, 40, 64])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
-    calls = []
-    fused = DecoderLayer.forward_bf16_residual
-    monkeypatch.setattr(DecoderLayer, "forward_bf16_residual", lambda self, *a: (calls.append(1), fused(self, *a))[1])
+    calls = _count_calls(monkeypatch, DecoderLayer, "forward_bf16_residual")
     results = {}
     for on in (True, False):
         monkeypatch.setattr(DecoderLayer, "bf16_residual", on)
@@ -361,9 +364,7 @@ def test_bf16_prefill_layers_through_the_c_kernel_without_amx(model_dir_factory,
     monkeypatch.setattr(cpu_attention, "amx_attention", lambda: False)
     prompts = random_prompts("bf16-kernel-attn", [5, 17, 17, 40, 64])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
-    calls = []
-    fused = Attention._forward_bf16_prefill
-    monkeypatch.setattr(Attention, "_forward_bf16_prefill", lambda self, *a: (calls.append(1), fused(self, *a))[1])
+    calls = _count_calls(monkeypatch, Attention, "_forward_bf16_prefill")
     results = {}
     real = cpu_prefill_attention.prefill_attention
     for way in ("kernel", "float32-query", "bf16-sdpa"):

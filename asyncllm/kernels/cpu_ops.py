@@ -96,6 +96,16 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
     raise ValueError(f"expected [tokens, cols] or [tokens, heads, cols] with contiguous heads, got {tuple(x.shape)}")
 
 
+def _residual_total(residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """The output buffer of ``x + residual`` (None without a residual), after checking the residual."""
+    if residual is None:
+        return None
+    _check("residual", residual)
+    if not residual.is_contiguous() or residual.shape != x.shape:
+        raise ValueError("residual must be contiguous with x's shape")
+    return torch.empty_like(residual)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rms_norm(x + residual) * weight, x + residual) or (rms_norm(x) * weight, None)."""
@@ -103,12 +113,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _check("weight", weight)
     rows, cols, per_token, token_stride = _rows(x)
     normed = torch.empty(x.shape, dtype=x.dtype)
-    total = None
-    if residual is not None:
-        _check("residual", residual)
-        if not residual.is_contiguous() or residual.shape != x.shape:
-            raise ValueError("residual must be contiguous with x's shape")
-        total = torch.empty_like(residual)
+    total = _residual_total(residual, x)
     _library().rms_norm_f32(x.data_ptr(), per_token, token_stride,
                             residual.data_ptr() if residual is not None else None,
                             total.data_ptr() if total is not None else None, normed.data_ptr(),
@@ -128,14 +133,9 @@ def rms_norm_mixed(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
         raise ValueError(f"x must be a contiguous [rows, {weight.shape[0]}] tensor, got {tuple(x.shape)}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
-    total = None
-    if residual is not None:
-        _check("residual", residual)
-        if not residual.is_contiguous() or residual.shape != x.shape:
-            raise ValueError("residual must be contiguous with x's shape")
-        total = torch.empty_like(residual)
-    elif x.dtype != torch.float32:
+    if residual is None and x.dtype != torch.float32:
         raise TypeError("x must be float32 when there is no residual to add it to")
+    total = _residual_total(residual, x)
     normed = torch.empty(x.shape, dtype=out_dtype)
     _library().rms_norm_mixed(x.data_ptr(), x.dtype == torch.bfloat16,
                               residual.data_ptr() if residual is not None else None,

@@ -220,9 +220,10 @@ class DecoderLayer(nn.Module):
         down projections hand back oneDNN's bf16 output and qkv and gate_up take bf16 input: the same numbers as
         :meth:`forward` (widening is exact, and its conversions round to nearest even as the kernel does), without
         four conversion passes and the MLP's residual add per layer."""
-        total, normed = self.input_layernorm.add_and_norm_as(pending, hidden, torch.bfloat16) \
-            if pending is not None else self.input_layernorm.add_and_norm_as(hidden, None, torch.bfloat16)
-        hidden = total if total is not None else hidden
+        if pending is None:  # the first layer: nothing to add to the residual yet
+            normed = self.input_layernorm.add_and_norm_as(hidden, None, torch.bfloat16)[1]
+        else:
+            hidden, normed = self.input_layernorm.add_and_norm_as(pending, hidden, torch.bfloat16)
         attn = self.self_attn._forward_bf16_prefill(positions, normed, meta, kv_cache, torch.bfloat16)
         hidden, normed = self.post_attention_layernorm.add_and_norm_as(attn, hidden, torch.bfloat16)
         return hidden, self.mlp._forward_bf16(normed, torch.bfloat16)

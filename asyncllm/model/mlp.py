@@ -33,9 +33,9 @@ class MLP(nn.Module):
         self.act_and_mul = _activation(shape.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = self.lora if self.lora is not None and self.lora.groups else None
-        if lora is None and self._bf16_matmuls():
+        if self.bf16_activations_apply():
             return self._forward_bf16(x)
+        lora = self.lora if self.lora is not None and self.lora.groups else None
         gate_up = self.gate_up_proj(x)
         if lora:
             lora.apply(self.layer_index, "gate_up_proj", x, gate_up)
